@@ -1,0 +1,33 @@
+"""Shared fixtures for grpo-lab's integration tests."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Tests never reach a model or dataset hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def bin_path(name):
+    "Path of a console script installed next to the running Python."
+    return str(Path(sys.executable).parent / name)
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    "A copy of the tracked and untracked-not-ignored files, as a fresh clone would have them."
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            dst = tmp_path / f
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    return tmp_path
