@@ -5,12 +5,20 @@
 # %% ../nbs/04_data.ipynb 2
 from __future__ import annotations
 
+import json
+import os
 import random
+import re
+from pathlib import Path
 
-from datasets import Dataset
+import datasets
+import pandas as pd
+import pyarrow.parquet as pq
+from datasets import Dataset, DatasetDict
 
 # %% auto 0
-__all__ = ['arithmetic_task']
+__all__ = ['FILE_FORMATS', 'REASONING_SYSTEM_PROMPT', 'arithmetic_task', 'is_conversational', 'render_prompt',
+           'with_system_prompt', 'load_prompts', 'extract_hash_answer', 'format_gsm8k', 'gsm8k']
 
 # %% ../nbs/04_data.ipynb
 def arithmetic_task(n: int, seed: int = 0, max_operand: int = 99, ops: str = "+-",
@@ -32,3 +40,219 @@ def arithmetic_task(n: int, seed: int = 0, max_operand: int = 99, ops: str = "+-
         rows["prompt"].append(f"{a}{op}{b}=")
         rows["answer"].append(str(fns[op](a, b)))
     return Dataset.from_dict(rows)
+
+# %% ../nbs/04_data.ipynb
+def is_conversational(prompt) -> bool:
+    "True if `prompt` is a list of `{'role', 'content'}` messages rather than a plain string."
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+
+# %% ../nbs/04_data.ipynb
+def render_prompt(prompt, tokenizer) -> str:
+    "The text the model sees: a string prompt as it is, a conversation through `tokenizer`'s chat template."
+    if isinstance(prompt, str):
+        return prompt
+    if not is_conversational(prompt):
+        raise TypeError(f"a prompt must be a string or a list of {{'role', 'content'}} messages, got {prompt!r:.80}")
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("conversational prompts need a tokenizer with a chat template, and "
+                         f"{'no tokenizer was given' if tokenizer is None else type(tokenizer).__name__ + ' has none'}: "
+                         "use a chat (instruct) model's tokenizer, set tokenizer.chat_template, or give string prompts.")
+    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+
+# %% ../nbs/04_data.ipynb
+FILE_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _pick_split(dsets: DatasetDict, split: str, source) -> Dataset:
+    "One split of a `DatasetDict`, or an error listing the splits there are."
+    if split not in dsets:
+        raise ValueError(f"split={split!r} is not in {source}; its splits are {list(dsets)}: pass split=one of them.")
+    return dsets[split]
+
+# %% ../nbs/04_data.ipynb
+def _read_json(path: Path) -> Dataset:
+    "A `.json` file holding a list of rows or a dict of columns."
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(rows, list):
+        return Dataset.from_list(rows)
+    if isinstance(rows, dict):
+        return Dataset.from_dict(rows)
+    raise ValueError(f"{path} holds a JSON {type(rows).__name__}; a .json file must hold a list of rows "
+                     "([{'prompt': ...}, ...]) or a dict of columns ({'prompt': [...]}); use .jsonl for one row per line.")
+
+
+def _read_json_lines(path: Path) -> Dataset:
+    "A `.jsonl` file, one JSON object per line (blank lines skipped)."
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg}); a .jsonl file holds one JSON object per line.") from e
+    return Dataset.from_list(rows)
+
+
+def _read_file(path: Path) -> Dataset:
+    "A local `.jsonl`, `.json`, `.csv` or `.parquet` file, read into memory."
+    suffix = path.suffix.lower()
+    if suffix not in FILE_FORMATS:
+        raise ValueError(f"{str(path)!r} has extension {suffix!r}, which load_prompts does not read; use one of "
+                         f"{', '.join(FILE_FORMATS)} or a folder written by Dataset.save_to_disk.")
+    if suffix == ".jsonl":
+        return _read_json_lines(path)
+    if suffix == ".json":
+        return _read_json(path)
+    if suffix == ".csv":
+        return Dataset.from_pandas(pd.read_csv(path), preserve_index=False)
+    return Dataset(pq.read_table(path))
+
+# %% ../nbs/04_data.ipynb
+def _load_path(path: Path, split: str, name: str | None) -> Dataset:
+    "A `Dataset` from a local file, a folder written by `save_to_disk`, or a local copy of a hub dataset."
+    if path.is_dir():
+        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            return _pick_split(loaded, split, str(path)) if isinstance(loaded, DatasetDict) else loaded
+        return datasets.load_dataset(str(path), name, split=split)
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"no file or folder {str(path)!r}{where}; check the path.")
+    return _read_file(path)
+
+# %% ../nbs/04_data.ipynb
+def _load_hub(source: str, split: str, name: str | None) -> Dataset:
+    "A split of a hub dataset, with an error that says how to work offline."
+    try:
+        return datasets.load_dataset(source, name, split=split)
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"could not reach the dataset hub for {source!r} (offline, or HF_HUB_OFFLINE=1), and there is no local "
+            f"file or folder of that name. To work offline, save a copy where the hub is reachable, e.g. "
+            f"datasets.load_dataset({source!r}, {name!r}, split={split!r}).to_json('prompts.jsonl') "
+            "(or .save_to_disk('prompts')), and pass that file or folder as the source.") from e
+    except datasets.exceptions.DatasetNotFoundError as e:
+        raise FileNotFoundError(f"{source!r} is neither a local file or folder nor a dataset on the hub; "
+                                "check the spelling, or pass a path to a .jsonl/.json/.csv/.parquet file.") from e
+
+# %% ../nbs/04_data.ipynb
+def _looks_like_path(source: str) -> bool:
+    "A string that must be a local path: an existing one, a data extension, or a leading '/', '.' or '~'."
+    return (Path(source).expanduser().exists() or Path(source).suffix.lower() in FILE_FORMATS
+            or source.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source))
+
+
+def _load_rows(source, split: str = "train", name: str | None = None) -> Dataset:
+    "Any supported source (hub id, path, list of dicts, dict of lists, Dataset, DatasetDict) as a `Dataset`."
+    if isinstance(source, Dataset):
+        return source
+    if isinstance(source, DatasetDict):
+        return _pick_split(source, split, "the DatasetDict")
+    if isinstance(source, dict):
+        return Dataset.from_dict(source)
+    if isinstance(source, (list, tuple)):
+        if not all(isinstance(row, dict) for row in source):
+            raise TypeError(f"a list source must hold one dict per row, like [{{'prompt': '23+45='}}], got {list(source)[:2]!r:.80}")
+        return Dataset.from_list(list(source))
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
+        return _load_path(Path(source).expanduser(), split, name)
+    if isinstance(source, str):
+        return _load_hub(source, split, name)
+    raise TypeError(f"cannot load prompts from a {type(source).__name__}; pass a hub id, a file or folder path, "
+                    "a list of dicts, a dict of lists, or a datasets.Dataset.")
+
+# %% ../nbs/04_data.ipynb
+def _prompt_column(ds: Dataset, prompt_column: str) -> Dataset:
+    "`ds` with its prompt column named `prompt`, or an error listing the columns there are."
+    if prompt_column not in ds.column_names:
+        raise ValueError(f"no prompt column {prompt_column!r}; the columns are {ds.column_names}: "
+                         "pass prompt_column= the one that holds the prompts.")
+    if prompt_column != "prompt" and "prompt" in ds.column_names:
+        raise ValueError(f"prompt_column={prompt_column!r} but a 'prompt' column exists too; "
+                         "remove or rename one of them (ds.remove_columns('prompt')).")
+    return ds.rename_column(prompt_column, "prompt") if prompt_column != "prompt" else ds
+
+
+def _first_rows(ds: Dataset, limit: int | None) -> Dataset:
+    "The first `limit` rows of `ds` (all of them for None)."
+    if limit is None:
+        return ds
+    if limit < 1:
+        raise ValueError(f"limit={limit} must be a positive number of rows (or None for all).")
+    return ds.select(range(min(limit, len(ds))))
+
+
+def _set_column(ds: Dataset, name: str, values: list) -> Dataset:
+    "`ds` with column `name` holding `values` (replaced in place, or added last)."
+    out = ds.add_column(f"_new_{name}", values)
+    out = out.remove_columns(name) if name in ds.column_names else out
+    return out.rename_column(f"_new_{name}", name).select_columns(list(dict.fromkeys([*ds.column_names, name])))
+
+# %% ../nbs/04_data.ipynb
+def with_system_prompt(prompt, system_prompt: str) -> list[dict]:
+    "A conversation that starts with `system_prompt`: prepended to a conversation, or `[system, user]` for a string."
+    system = {"role": "system", "content": system_prompt}
+    if isinstance(prompt, str):
+        return [system, {"role": "user", "content": prompt}]
+    if prompt[0]["role"] == "system":
+        raise ValueError(f"this prompt already starts with a system message ({prompt[0]['content']!r:.60}); "
+                         "drop system_prompt=, or remove the system messages from the data.")
+    return [system, *prompt]
+
+# %% ../nbs/04_data.ipynb
+def load_prompts(source, *, split: str = "train", prompt_column: str = "prompt", system_prompt: str | None = None,
+                 tokenizer=None, limit: int | None = None, name: str | None = None) -> Dataset:
+    "A `Dataset` with a `prompt` column (text or conversations) and the source's other columns, ready for `GRPOTrainer`."
+    ds = _load_rows(source, split, name)
+    if len(ds) == 0:
+        what = str(source) if isinstance(source, (str, os.PathLike)) else f"this {type(source).__name__}"
+        raise ValueError(f"the dataset from {what} has no rows; GRPO needs at least one prompt.")
+    ds = _first_rows(_prompt_column(ds, prompt_column), limit)
+    first = ds[0]["prompt"]
+    if not (isinstance(first, str) or is_conversational(first)):
+        raise TypeError(f"prompts must be strings or lists of {{'role', 'content'}} messages; column {prompt_column!r} "
+                        f"holds {type(first).__name__} values such as {first!r:.60}.")
+    if system_prompt is not None:
+        ds = _set_column(ds, "prompt", [with_system_prompt(p, system_prompt) for p in ds["prompt"]])
+    if tokenizer is not None:
+        ds = _set_column(ds, "prompt", [render_prompt(p, tokenizer) for p in ds["prompt"]])
+    return ds
+
+# %% ../nbs/04_data.ipynb
+REASONING_SYSTEM_PROMPT = (
+    "You are a careful assistant. Solve the user's problem by reasoning step by step, then give the final answer. "
+    "Write your reasoning between <think> and </think> and only the final answer between <answer> and </answer>, "
+    "in this layout:\n<think>\n...\n</think>\n<answer>\n...\n</answer>")
+
+
+def extract_hash_answer(text: str) -> str | None:
+    "The final answer after `####` in a GSM8K solution, without thousands commas; None if there is no `####`."
+    if "####" not in text:
+        return None
+    return text.split("####")[-1].strip().replace(",", "")
+
+# %% ../nbs/04_data.ipynb
+def format_gsm8k(source_or_rows, system_prompt: str | None = REASONING_SYSTEM_PROMPT, *, split: str = "train",
+                 limit: int | None = None) -> Dataset:
+    "GSM8K-shaped rows (`question`, `answer` ending in `#### n`) as conversational prompts with a numeric `answer`."
+    ds = _load_rows(source_or_rows, split)
+    if missing := {"question", "answer"} - set(ds.column_names):
+        raise ValueError(f"GSM8K-format rows need 'question' and 'answer' columns; missing {sorted(missing)} "
+                         f"among {ds.column_names}.")
+    ds = _first_rows(ds, limit)
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    answers = []
+    for i, solution in enumerate(ds["answer"]):
+        if (number := extract_hash_answer(solution)) is None:
+            raise ValueError(f"row {i}: a GSM8K answer ends with '#### <number>', got {solution[-60:]!r}.")
+        answers.append(number)
+    prompts = [[*system, {"role": "user", "content": q}] for q in ds["question"]]
+    others = [c for c in ds.column_names if c not in ("question", "answer")]
+    out = _set_column(_set_column(ds, "answer", answers), "prompt", prompts)
+    return out.select_columns(["prompt", "answer", *others])
+
+# %% ../nbs/04_data.ipynb
+def gsm8k(split: str = "train", limit: int | None = None, system_prompt: str | None = REASONING_SYSTEM_PROMPT) -> Dataset:
+    "`openai/gsm8k` (config 'main') from the hub, formatted by `format_gsm8k`."
+    return format_gsm8k(_load_hub("openai/gsm8k", split, "main"), system_prompt, limit=limit)
