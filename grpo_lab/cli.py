@@ -209,7 +209,7 @@ def demo_config(output_dir: str, steps: int, seed: int = 0, lora_r: int | None =
                 prompts_per_step: int = 16, max_new_tokens: int = 6):
     "The GRPOConfig of `grpo-lab demo`."
     from grpo_lab.trainer import GRPOConfig
-    lr = learning_rate or (2e-3 if lora_r else 1e-4)
+    lr = learning_rate or (2e-3 if lora_r else 5e-5)
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=prompts_per_step * num_generations,
                       num_generations=num_generations, max_steps=steps, learning_rate=lr, max_completion_length=max_new_tokens,
                       max_prompt_length=32, temperature=1.0, lr_scheduler_type="constant", logging_steps=5,
@@ -217,9 +217,9 @@ def demo_config(output_dir: str, steps: int, seed: int = 0, lora_r: int | None =
                       num_train_epochs=1, num_completions_to_print=3)
 
 # %% ../nbs/09_cli.ipynb
-def run_demo(output_dir="runs/demo", steps: int = 150, model: str = "tiny", seed: int = 0, lora_r: int | None = None,
-             load_in_4bit: bool = False, learning_rate: float | None = None, eval_size: int = 300,
-             eval_every: int = 25, quiet: bool = False) -> dict:
+def run_demo(output_dir="runs/demo", steps: int = 600, model: str = "tiny", seed: int = 0, lora_r: int | None = None,
+             load_in_4bit: bool = False, learning_rate: float | None = None, eval_size: int = 500,
+             eval_every: int = 50, quiet: bool = False) -> dict:
     "Train the tiny model on arithmetic with GRPO; return and save the summary."
     from grpo_lab.data import arithmetic_task
     from grpo_lab.models import tiny_model_task
@@ -228,6 +228,9 @@ def run_demo(output_dir="runs/demo", steps: int = 150, model: str = "tiny", seed
     say = (lambda *x: None) if quiet else print
     model_path = Path(resolve_model(model))
     task = tiny_model_task()
+    if eval_size > task["eval_size"]:
+        raise CLIError(f"--eval-size {eval_size} is larger than the {task['eval_size']} problems the tiny model never saw "
+                       f"in its warm start; use at most {task['eval_size']}.")
     gen = dict(max_operand=task["max_operand"], ops=task["ops"], min_operand=task["min_operand"])
     max_new = task["max_new_tokens"]
     held_out = arithmetic_task(eval_size, seed=task["eval_seed"], **gen)
@@ -282,14 +285,14 @@ def _add_demo(sub):
                        description="Train the shipped tiny model on the built-in arithmetic task with GRPO and report "
                                    "held-out accuracy before and after. Needs no GPU and no network.")
     p.add_argument("--output-dir", default="runs/demo")
-    p.add_argument("--steps", type=_positive_int, default=150)
+    p.add_argument("--steps", type=_positive_int, default=600)
     p.add_argument("--model", default="tiny", help="'tiny' (shipped) or a folder with a model trained on the same task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora-r", type=_positive_int, default=None, help="train a LoRA adapter of this rank instead of all weights")
     p.add_argument("--load-in-4bit", action="store_true", help="quantize the base to 4-bit NF4 (use with --lora-r)")
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--eval-size", type=_positive_int, default=300)
-    p.add_argument("--eval-every", type=_positive_int, default=25)
+    p.add_argument("--eval-size", type=_positive_int, default=500, help="held-out problems (at most 500 are never trained on by the warm start)")
+    p.add_argument("--eval-every", type=_positive_int, default=50)
     p.set_defaults(func=cmd_demo)
 
 # %% ../nbs/09_cli.ipynb
