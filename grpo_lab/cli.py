@@ -14,7 +14,7 @@ from pathlib import Path
 
 # %% auto 0
 __all__ = ['CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run',
-           'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot', 'cmd_demo', 'build_parser', 'main']
+           'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot', 'cmd_demo', 'cmd_export', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -296,13 +296,53 @@ def _add_demo(sub):
     p.set_defaults(func=cmd_demo)
 
 # %% ../nbs/09_cli.ipynb
+def cmd_export(a) -> int:
+    "Write run.yaml, accelerate_config.yaml, launch.sh and a README to run a YAML run with `accelerate launch`."
+    from grpo_lab.batching import BatchConfigError, describe_error
+    from grpo_lab.scale import export_run
+    if not Path(a.config).exists():
+        raise CLIError(f"config file {a.config} does not exist; see configs/ in the repository for examples.")
+    try:
+        out = export_run(a.config, a.output_dir, num_processes=a.num_processes, strategy=a.strategy,
+                         num_machines=a.num_machines, mixed_precision=a.mixed_precision, cpu=a.cpu,
+                         keep_effective_batch=a.keep_effective_batch, dataset_size=a.dataset_size)
+    except BatchConfigError as e:
+        print(describe_error(e), file=sys.stderr)
+        return 2
+    print(f"wrote {out}/: run.yaml, accelerate_config.yaml, launch.sh, README.md"
+          + (", ds_config.json" if a.strategy in ("zero2", "zero3") else ""))
+    print(f"launch with: bash {out / 'launch.sh'}")
+    return 0
+
+
+def _add_export(sub):
+    from grpo_lab.scale import STRATEGIES
+    p = sub.add_parser("export", help="export a run to `accelerate launch` on several GPUs (DDP, ZeRO-2/3, FSDP)",
+                       description="Write the files that run a YAML run on several processes with `accelerate launch`, "
+                                   "with the batch arithmetic re-checked for the new process count.")
+    p.add_argument("--config", "-c", required=True, help="run YAML (model, dataset, rewards + GRPOConfig options)")
+    p.add_argument("--output-dir", "-o", required=True, help="folder to write the exported files to")
+    p.add_argument("--num-processes", "--gpus", type=_positive_int, required=True, help="processes (GPUs) on all machines together")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
+                   help="ddp replicates the model; zero2/zero3 are DeepSpeed ZeRO stages; fsdp is PyTorch FSDP")
+    p.add_argument("--num-machines", type=_positive_int, default=1)
+    p.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
+                   help="default: bf16 on GPUs, no on CPUs")
+    p.add_argument("--cpu", action="store_true", help="run the processes on the CPU (gloo backend; ddp only)")
+    p.add_argument("--keep-effective-batch", action="store_true",
+                   help="lower gradient_accumulation_steps (or the per-device size) to keep the one-process run's prompts per step")
+    p.add_argument("--dataset-size", "-N", type=_positive_int, default=None, help="number of prompts, to count steps per epoch")
+    p.set_defaults(func=cmd_export)
+
+# %% ../nbs/09_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-lab", description="Learn and run GRPO fine-tuning of language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export}")
     sub.required = True
     _add_demo(sub)
     _add_train(sub)
     _add_plan(sub)
+    _add_export(sub)
     return parser
 
 
@@ -323,3 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"grpo-lab {a.command}: error: {e}", file=sys.stderr)
         return 2
+
+# %% ../nbs/09_cli.ipynb
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(main())

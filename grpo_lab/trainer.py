@@ -360,6 +360,13 @@ class TrainerCallback:
 class NonFiniteLossError(RuntimeError):
     "The loss or the gradient became NaN/inf; the weights were not updated."
 
+
+def _seed_process(seed: int, process_index: int):
+    "Seed sampling per process: each process must draw its own completions, not copies of its neighbours'."
+    random.seed(seed + process_index)
+    np.random.seed(seed + process_index)
+    torch.manual_seed(seed + process_index)
+
 # %% ../nbs/06_trainer.ipynb
 class GRPOTrainer:
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`."
@@ -392,6 +399,7 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=math.ceil(args.warmup_ratio * total), num_training_steps=total)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        _seed_process(args.seed, self.accelerator.process_index)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.global_step, self.history, self.samples = 0, [], []
@@ -457,11 +465,14 @@ def save_checkpoint(self, position: dict | None = None, rng: dict | None = None)
         self.tokenizer.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
-        torch.save({"position": position if position is not None else self._position,
-                    "rng": rng if rng is not None else _rng_state()}, path / "trainer_state.pt")
         (path / "trainer_state.json").write_text(json.dumps(
-            {"global_step": self.global_step, "history": self.history, "config": self.args.to_dict()}, indent=1))
+            {"global_step": self.global_step, "num_processes": acc.num_processes, "history": self.history,
+             "config": self.args.to_dict()}, indent=1))
         self._rotate_checkpoints()
+    acc.wait_for_everyone()
+    # each process keeps its own data position (its rollout slice) and random state
+    torch.save({"position": position if position is not None else self._position,
+                "rng": rng if rng is not None else _rng_state()}, path / f"process_{acc.process_index}.pt")
     acc.wait_for_everyone()
     self._last_checkpoint = path
     for cb in self.callbacks:
@@ -490,8 +501,8 @@ def _latest_checkpoint(output_dir) -> Path | None:
 def load_checkpoint(self, path) -> dict:
     "Restore weights, optimizer, scheduler, history and RNG from `path`; return the saved position."
     path = Path(path)
-    if not (path / "trainer_state.pt").exists():
-        raise FileNotFoundError(f"{path} is not a grpo-lab checkpoint (no trainer_state.pt); "
+    if not (path / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{path} is not a grpo-lab checkpoint (no trainer_state.json); "
                                 f"pass a folder like {Path(self.args.output_dir) / 'checkpoint-100'} or resume_from_checkpoint=True for the latest.")
     model = self.accelerator.unwrap_model(self.model)
     if hasattr(model, "peft_config"):
@@ -511,8 +522,11 @@ def load_checkpoint(self, path) -> dict:
     self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     info = json.loads((path / "trainer_state.json").read_text())
+    if info["num_processes"] != self.accelerator.num_processes:
+        raise ValueError(f"{path} was written by {info['num_processes']} processes and this run has "
+                         f"{self.accelerator.num_processes}; resume with the same number of processes.")
     self.global_step, self.history = info["global_step"], info["history"]
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    state = torch.load(path / f"process_{self.accelerator.process_index}.pt", weights_only=False)
     _set_rng_state(state["rng"])
     self._last_checkpoint = path
     return state["position"]
@@ -640,7 +654,8 @@ def _run(self, bar, total: int):
             for it in range(pos["iteration"], mu):
                 for m in range(pos["micro"], len(micro)):
                     pos.update(generation=g, iteration=it, micro=m + 1, rollout=rollout)
-                    sync = pending + 1 == ga
+                    end_of_epoch = g == len(chunks) - 1 and it == mu - 1 and m == len(micro) - 1
+                    sync = pending + 1 == ga or end_of_epoch
                     with acc.no_sync(self.model) if not sync else contextlib.nullcontext():
                         loss, value, stats = micro_batch_loss(self, rollout.select(micro[m]))
                         if not torch.isfinite(value):
@@ -650,7 +665,6 @@ def _run(self, bar, total: int):
                     micro_losses.append(value.item())
                     micro_stats.append(stats)
                     pending += 1
-                    end_of_epoch = g == len(chunks) - 1 and it == mu - 1 and m == len(micro) - 1
                     if pending == ga or end_of_epoch:
                         step_metrics.append(self._optimizer_step(micro_losses, micro_stats, rollout, t0))
                         pending, micro_losses, micro_stats = 0, [], []
