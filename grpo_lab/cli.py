@@ -209,7 +209,7 @@ def demo_config(output_dir: str, steps: int, seed: int = 0, lora_r: int | None =
                 prompts_per_step: int = 16, max_new_tokens: int = 6):
     "The GRPOConfig of `grpo-lab demo`."
     from grpo_lab.trainer import GRPOConfig
-    lr = learning_rate or (2e-3 if lora_r else 5e-5)
+    lr = learning_rate or (5e-4 if lora_r else 5e-5)
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=prompts_per_step * num_generations,
                       num_generations=num_generations, max_steps=steps, learning_rate=lr, max_completion_length=max_new_tokens,
                       max_prompt_length=32, temperature=1.0, lr_scheduler_type="constant", logging_steps=5,
