@@ -137,7 +137,7 @@ def generation_batch_png(plan: BatchPlan, max_cells: int = 20_000) -> bytes | No
     per_process = plan.per_device_train_batch_size * plan.steps_per_generation
     if per_process * plan.num_processes > max_cells:
         return None
-    fig = Figure(figsize=(min(10, 2.5 + 0.35 * per_process), min(5, 1.2 + 0.35 * plan.num_processes)),
+    fig = Figure(figsize=(min(10, max(4.5, 2.5 + 0.35 * per_process)), min(5, 1.2 + 0.35 * plan.num_processes)),
                  layout="constrained")
     plot_generation_batch(plan, fig.add_subplot())
     return figure_png(fig)
@@ -160,7 +160,7 @@ def error_html(err: BatchConfigError) -> str:
     "The error in words and what to do, as HTML (the fixes themselves are buttons)."
     advice = ("Any one of these changes gives a valid plan (click to apply):" if err.suggestions
               else "No change of a single argument fixes it; see the rule above.")
-    return (f'<p style="color:#b00020"><b>TRL would refuse this configuration.</b> {html.escape(str(err), quote=False)}</p>'
+    return (f'<p style="color:#b00020;line-height:1.4"><b>TRL would refuse this configuration.</b> {html.escape(str(err), quote=False)}</p>'
             f"<p>{advice}</p>")
 
 # %% ../nbs/07_widgets.ipynb
@@ -299,7 +299,7 @@ def loss_notes(lengths: list[int], advantages: list[float], result: dict, beta: 
 # %% ../nbs/07_widgets.ipynb
 def loss_weights_png(lengths: list[int], advantages: list[float], result: dict) -> bytes:
     "Bar charts of `loss_weights`' result: weight per token, weight per completion, loss and gradient norm."
-    fig = Figure(figsize=(11, 2.6), layout="constrained")
+    fig = Figure(figsize=(10, 2.6), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[2, 2, 1.4])
     names, width = [f"{n} tok\nA={a:+.2f}" for n, a in zip(lengths, advantages)], 0.8 / len(LOSS_TYPES)
     for k, loss_type in enumerate(LOSS_TYPES):
@@ -345,7 +345,7 @@ def _as_text(values) -> str:
 # %% ../nbs/07_widgets.ipynb
 def _slider(value: float, low: float, high: float, step: float, label: str) -> widgets.FloatSlider:
     return widgets.FloatSlider(value, min=low, max=high, step=step, description=label, continuous_update=False,
-                               style={"description_width": "130px"}, layout=widgets.Layout(width="380px"))
+                               style={"description_width": "160px"}, layout=widgets.Layout(width="410px"))
 
 
 class NormalizationExplorer(Explorer):
@@ -355,21 +355,21 @@ class NormalizationExplorer(Explorer):
     def __init__(self, lengths="2, 4, 8, 16", values="1, 0, 1, 0", values_are: str = "rewards", beta: float = 0.0,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, ratio: float = 1.0, ref_log_ratio: float = -0.3,
                  max_completion_length: int = 0):
-        text = dict(continuous_update=False, style={"description_width": "130px"}, layout=widgets.Layout(width="380px"))
+        text = dict(continuous_update=False, style={"description_width": "160px"}, layout=widgets.Layout(width="410px"))
         self.lengths = widgets.Text(_as_text(lengths), description="lengths (tokens)", **text)
         self.values = widgets.Text(_as_text(values), description="values", **text)
         self.values_are = widgets.ToggleButtons(options=["rewards", "advantages"], value=values_are, description="values are",
-                                                style={"description_width": "130px", "button_width": "90px"})
+                                                style={"description_width": "160px", "button_width": "100px"})
         self.beta, self.ratio = _slider(beta, 0, 0.5, 0.01, "beta"), _slider(ratio, 0.5, 1.5, 0.05, "ratio π/π_old")
         self.epsilon_low, self.epsilon_high = (_slider(epsilon_low, 0, 0.5, 0.01, "epsilon_low"),
                                                _slider(epsilon_high, 0, 0.5, 0.01, "epsilon_high"))
         self.ref_log_ratio = _slider(ref_log_ratio, -1, 1, 0.05, "log π_ref − log π")
         self.max_completion_length = widgets.IntText(max_completion_length, description="max_completion_length",
-                                                     style={"description_width": "130px"}, layout=widgets.Layout(width="250px"))
+                                                     style={"description_width": "160px"}, layout=widgets.Layout(width="280px"))
         controls = [self.lengths, self.values, self.values_are, self.beta, self.epsilon_low, self.epsilon_high,
                     self.ratio, self.ref_log_ratio, self.max_completion_length]
         self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 390px)")),
+        self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 420px)")),
                                     self.summary, self.picture])
         for control in controls:
             control.observe(self.refresh, names="value")
@@ -391,13 +391,13 @@ class NormalizationExplorer(Explorer):
             self.state = self.compute(self.group_lengths, self.advantages, **self.parameters)
         except ValueError as err:
             self.state = err
-            self.summary.value, self.picture.value = f'<p style="color:#b00020">{html.escape(str(err), quote=False)}</p>', b""
+            self.summary.value, self.picture.value = f'<p style="color:#b00020;line-height:1.4">{html.escape(str(err), quote=False)}</p>', b""
             self.picture.layout.display = "none"
             return
         self.group_lengths = [int(n) for n in self.group_lengths]
         rows, notes = self._rows(), self.notes()
-        self.summary.value = (html_table(self._header(), rows)
-                              + "".join(f'<p style="font-size:12px;margin:4px 0">{html.escape(n)}</p>' for n in notes))
+        self.summary.value = (html_table(self._header(), rows) + '<div style="font-size:12px;line-height:1.4">'
+                              + "".join(f'<p style="margin:4px 0">{html.escape(n)}</p>' for n in notes) + "</div>")
         self.picture.value = loss_weights_png(self.group_lengths, self.advantages, self.state)
         self.picture.layout.display = None
 
@@ -504,10 +504,10 @@ class AdvantageExplorer(Explorer):
             self.state = self.compute(self.rewards_per_func, self.num_generations, weights)
         except ValueError as err:
             self.state = err
-            self.summary.value, self.picture.value = f'<p style="color:#b00020">{html.escape(str(err), quote=False)}</p>', b""
+            self.summary.value, self.picture.value = f'<p style="color:#b00020;line-height:1.4">{html.escape(str(err), quote=False)}</p>', b""
             self.picture.layout.display = "none"
             return
-        self.summary.value = html_table(*self._table(), left=2) + f'<p style="font-size:12px">{html.escape(self._totals())}</p>'
+        self.summary.value = html_table(*self._table(), left=2) + f'<p style="font-size:12px;line-height:1.4">{html.escape(self._totals())}</p>'
         self.picture.value, self.picture.layout.display = advantages_png(self.state, self.num_generations), None
 
     def _table(self) -> tuple[list, list]:
