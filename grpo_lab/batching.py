@@ -230,12 +230,13 @@ def _explain(self) -> str:
            f"an optimizer step spans {_show(ga / s)} generation batches")
     who = "The one process" if procs == 1 else f"Each of the {procs} processes"
     text = [
-        f"{who} computes {pd} completions per micro-step (per_device_train_batch_size counts completions, "
+        f"{who} computes {_plural(pd, 'completion')} per micro-step (per_device_train_batch_size counts completions, "
         f"not prompts): {self.completions_per_micro_step} per micro-step in all.",
         f"One generation batch holds {pd} x {procs} x {s} = {self.generation_batch_size} completions "
         f"(steps_per_generation {s}: {spg}): {_plural(u, 'unique prompt')} x num_generations {g}.",
         f"An optimizer step accumulates {_plural(ga, 'micro-step')}: {pd} x {procs} x {ga} = "
-        f"{self.completions_per_optimizer_step} completions = {_show(self.prompts_per_optimizer_step)} prompts.",
+        f"{self.completions_per_optimizer_step} completions = {_show(self.prompts_per_optimizer_step)} "
+        f"prompt{'' if self.prompts_per_optimizer_step == 1 else 's'}.",
     ]
     if self.dataset_size is None:
         text.append("Give dataset_size to count micro-steps and optimizer steps.")
