@@ -175,8 +175,15 @@ WEIGHTS_SCRIPT = textwrap.dedent("""
     before = weights_hash(trainer)
     trainer.train()
     acc = trainer.accelerator
+    # a group straddling both processes, and an epoch ending inside an accumulation
+    edge = GRPOConfig(output_dir=out + "/edge", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      steps_per_generation=3, num_generations=8, num_train_epochs=2, learning_rate=1e-3,
+                      max_prompt_length=32, max_completion_length=6, num_completions_to_print=12, disable_tqdm=True)
+    trainer2 = GRPOTrainer(str(tiny_model_path()), exact_answer, args=edge, train_dataset=arithmetic_task(3, seed=5))
+    trainer2.train()
     json.dump({"world": acc.num_processes, "before": before, "after": weights_hash(trainer),
-               "unique_prompts": trainer.plan.unique_prompts_per_generation},
+               "unique_prompts": trainer.plan.unique_prompts_per_generation, "edge_steps": trainer2.global_step,
+               "edge_after": weights_hash(trainer2), "edge_samples": trainer2.samples},
               open(f"{out}/rank{acc.process_index}.json", "w"))
 """)
 
@@ -194,3 +201,9 @@ def test_both_processes_end_with_identical_weights(tmp_path):
     assert ranks[0]["unique_prompts"] == 2          # 4 completions x 2 processes x 2 accumulation steps / 8
     assert ranks[0]["before"] == ranks[1]["before"] and ranks[0]["after"] != ranks[0]["before"]
     assert ranks[0]["after"] == ranks[1]["after"]
+    # partial accumulation at each epoch's end still synchronises gradients
+    assert ranks[0]["edge_steps"] == 4 and ranks[0]["edge_after"] == ranks[1]["edge_after"]
+    # the prompt shared by both processes gets different completions on each (per-process sampling seeds)
+    shared = lambda r: [s["completion"] for s in r["edge_samples"] if s["prompt"] == ranks[0]["edge_samples"][-1]["prompt"]]
+    assert ranks[0]["edge_samples"][-1]["prompt"] == ranks[1]["edge_samples"][0]["prompt"]
+    assert shared(ranks[0]) != shared(ranks[1])
