@@ -299,9 +299,9 @@ def make_rollout(trainer, rows: list[dict]) -> Rollout:
         trainer._warned_truncation = True
     p_ids, p_mask = p_ids.to(acc.device), p_mask.to(acc.device)
     c_ids, c_mask, truncated = sample_completions(acc.unwrap_model(trainer.model), tok, p_ids, p_mask, args)
-    decoded = tok.batch_decode([c[m.bool()] for c, m in zip(c_ids, c_mask)], skip_special_tokens=True)
-    completions = [_as_completion(t, p) for t, p in zip(decoded, prompts)]
     id_lists = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
+    decoded = tok.batch_decode(id_lists, skip_special_tokens=True)
+    completions = [_as_completion(t, p) for t, p in zip(decoded, prompts)]
     try:
         local = score(trainer.reward_funcs, prompts, completions, completion_ids=id_lists, **_column_values(rows))
     except RewardFunctionError as e:
