@@ -17,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from .batching import BatchPlan, plan_batches
 from .data import is_conversational, load_prompts, render_prompt
 from .loss import completion_logps, grpo_loss
 from .models import load_policy, make_reference, reference_logps
-from .rewards import RewardFunctionError, completion_text, reward_names, score
+from .rewards import RewardFunctionError, reward_names, score
 
 # %% auto 0
 __all__ = ['LOSS_TYPES', 'GRPOConfig', 'config_kwargs', 'generation_chunks', 'expand_groups', 'process_rows', 'tokenize_prompts',

@@ -1,10 +1,8 @@
 """The grpo-lab command line, run as a user runs it: a subprocess of the installed console script."""
 import json
 import subprocess
-import sys
 
 import pytest
-import yaml
 
 from conftest import ROOT, bin_path
 

@@ -1,6 +1,5 @@
 """Every notebook in nbs/ executes (nbdev's test runner), and the library is in sync with them."""
 import subprocess
-from pathlib import Path
 
 import pytest
 
