@@ -5,15 +5,18 @@
 # %% ../nbs/00_batching.ipynb 2
 from __future__ import annotations
 
+import inspect
 import math
+import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from numbers import Integral
 
 import numpy as np
 
 # %% auto 0
-__all__ = ['BatchPlan', 'BatchConfigError', 'suggest_fixes', 'plan_batches', 'describe_error', 'check_trl_versions',
-           'plot_generation_batch']
+__all__ = ['OPTIONAL_COUNTS', 'BATCH_OPTIONS', 'BatchPlan', 'BatchConfigError', 'short_repr', 'suggest_fixes', 'plan_batches',
+           'plan_for', 'describe_error', 'check_trl_versions', 'plot_generation_batch']
 
 # %% ../nbs/00_batching.ipynb
 @dataclass(frozen=True)
@@ -48,18 +51,33 @@ class BatchConfigError(ValueError):
         self.arguments = dict(arguments or {})
 
 # %% ../nbs/00_batching.ipynb
-_OPTIONAL = ("dataset_size", "steps_per_generation", "generation_batch_size", "max_steps")
+class _ShortRepr(reprlib.Repr):
+    def repr_int(self, value, level):
+        return repr(value) if value.bit_length() <= 128 else f"<int of {value.bit_length()} bits>"
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+
+
+def short_repr(value, limit: int = 80) -> str:
+    "`repr(value)` cut to at most `limit` characters (nested containers, long strings and huge ints elided)."
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+# %% ../nbs/00_batching.ipynb
+OPTIONAL_COUNTS = ("dataset_size", "steps_per_generation", "generation_batch_size", "max_steps")
 
 
 def _check_types(args: dict):
     "Raise `BatchConfigError` for any argument that is not a whole number (or `None` where allowed)."
     for name, value in args.items():
-        if value is None and name in _OPTIONAL:
+        if value is None and name in OPTIONAL_COUNTS:
             continue
         if isinstance(value, bool) or not isinstance(value, Integral):
-            allowed = "an int or None" if name in _OPTIONAL else "an int"
-            raise BatchConfigError(f"{name}={value!r} ({type(value).__name__}) must be a whole number: pass {allowed}.",
-                                   arguments=args)
+            allowed = "an int or None" if name in OPTIONAL_COUNTS else "an int"
+            raise BatchConfigError(f"{name}={short_repr(value)} ({type(value).__name__}) must be a whole number: "
+                                   f"pass {allowed}.", arguments={k: short_repr(v) for k, v in args.items()})
 
 # %% ../nbs/00_batching.ipynb
 def _plural(n: int, word: str) -> str:
@@ -108,13 +126,15 @@ def _build_plan(args: dict) -> BatchPlan:
     if n is not None and n < unique:
         raise BatchConfigError(f"dataset_size {n} is smaller than the {unique} unique prompts of one generation batch "
                                f"(generation_batch_size {generation} / num_generations {group}): an epoch would have 0 steps.")
+    if a["max_steps"] == 0:
+        raise BatchConfigError("max_steps=0 would train nothing; use -1 to train num_train_epochs, or a positive number.")
     max_steps = a["max_steps"] if a["max_steps"] is not None and a["max_steps"] > 0 else None
     per_step = pd * processes * accumulation
     gens = None if n is None else n // unique
     micro = None if n is None else gens * a["num_iterations"] * steps
     per_epoch = None if n is None else math.ceil(micro / accumulation)
     total = max_steps if max_steps is not None else None if n is None else a["num_train_epochs"] * per_epoch
-    return BatchPlan(pd, accumulation, processes, group, n, a["num_train_epochs"], a["num_iterations"], a["max_steps"],
+    return BatchPlan(pd, accumulation, processes, group, n, a["num_train_epochs"], a["num_iterations"], max_steps,
                      steps, generation, unique, pd * processes, per_step, per_step / group, gens,
                      None if n is None else n - gens * unique, micro, per_epoch, total)
 
@@ -127,16 +147,130 @@ def _valid(args: dict) -> bool:
     return True
 
 
-def _nearest_valid(args: dict, name: str, reach: int) -> list[int]:
-    "The nearest valid values of `name` below and above its current value (within `reach`), nearest first."
-    value, found = args[name], {}
-    for distance in range(1, reach + 1):
-        for side, candidate in (("below", value - distance), ("above", value + distance)):
-            if side not in found and candidate >= 1 and _valid({**args, name: candidate}):
-                found[side] = candidate
-        if len(found) == 2:
-            break
-    return sorted(found.values(), key=lambda v: (abs(v - value), v))
+def _nearest(candidates, value: int) -> list[int]:
+    "The candidates just below and just above `value` (never `value` itself), nearest first."
+    below = max((c for c in candidates if c < value), default=None)
+    above = min((c for c in candidates if c > value), default=None)
+    return sorted((c for c in (below, above) if c is not None), key=lambda c: (abs(c - value), c))
+
+
+def _multiples_near(value: int, step: int, high: int | None = None) -> list[int]:
+    "The multiples of `step` in [1, high] nearest to `value` below and above it."
+    below = (value - 1 if high is None else min(value - 1, high)) // step * step
+    above = max(value // step + 1, 1) * step
+    return _nearest([v for v in (below, above) if v >= 1 and (high is None or v <= high)], value)
+
+# %% ../nbs/00_batching.ipynb
+_SMALL_PRIMES = [p for p in range(2, 200) if all(p % k for k in range(2, math.isqrt(p) + 1))]
+
+
+def _is_prime(n: int) -> bool:
+    "Miller-Rabin with the first 13 primes as bases (exact below 3.3e24)."
+    if n < 2:
+        return False
+    for p in _SMALL_PRIMES[:13]:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in _SMALL_PRIMES[:13]:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+# %% ../nbs/00_batching.ipynb
+def _split(n: int, budget: int) -> tuple[int | None, int]:
+    "`(factor, steps used)`: a nontrivial factor of the composite odd `n` by Pollard's rho, or None past `budget` steps."
+    used = 0
+    for c in range(1, 16):
+        x = y = 2
+        product = 1
+        while used < budget:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            product = product * abs(x - y) % n
+            used += 1
+            if used % 32 == 0 or product == 0:
+                factor = math.gcd(product, n)
+                if factor == n:
+                    break                                   # this polynomial cycled: try the next c
+                if factor > 1:
+                    return factor, used
+    return None, used
+
+
+def _factorize(n: int, budget: int = 20_000) -> dict[int, int] | None:
+    "The prime factors `{p: exponent}` of `n >= 1`, or None when Pollard's rho needs more than `budget` steps."
+    factors: dict[int, int] = {}
+    for p in _SMALL_PRIMES:
+        while n % p == 0:
+            factors[p], n = factors.get(p, 0) + 1, n // p
+    pending = [n] if n > 1 else []
+    while pending:
+        m = pending.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+            continue
+        factor, used = _split(m, budget)
+        if factor is None:
+            return None
+        budget -= used
+        pending += [factor, m // factor]
+    return factors
+
+# %% ../nbs/00_batching.ipynb
+def _divisors_near(numbers: list[int], value: int, low: int, high: int, limit: int = 20_000) -> list[int]:
+    "The divisors of `prod(numbers)` in [low, high] nearest to `value`; [] when factoring or listing costs too much."
+    factors: dict[int, int] = {}
+    for n in numbers:
+        found = _factorize(n)
+        if found is None:
+            return []
+        for p, e in found.items():
+            factors[p] = factors.get(p, 0) + e
+    divisors = [1]
+    for p, e in factors.items():
+        divisors = [d * p**k for d in divisors for k in range(e + 1) if d * p**k <= high]
+        if len(divisors) > limit:
+            return []
+    return _nearest([d for d in divisors if d >= low], value)
+
+# %% ../nbs/00_batching.ipynb
+def _candidates(args: dict) -> list[dict]:
+    "Single changes that satisfy the divisibility rules and the dataset bound, by the arithmetic above."
+    pd, processes, group = args["per_device_train_batch_size"], args["num_processes"], args["num_generations"]
+    n, batch = args["dataset_size"], args["generation_batch_size"]
+    cap = lambda rest: None if n is None else n * group // rest      # the largest x with x * rest / group <= n
+    least_group = lambda generation: max(2, -(-generation // n) if n else 2)
+    if batch is not None:
+        if min(pd, processes, group, batch) < 1:
+            return []
+        return ([{"num_generations": v} for v in _divisors_near([batch], group, least_group(batch), batch)]
+                + [{"per_device_train_batch_size": v} for v in
+                   (_divisors_near([batch // processes], pd, 1, batch) if batch % processes == 0 else [])]
+                + [{"generation_batch_size": v} for v in _multiples_near(batch, math.lcm(pd * processes, group), cap(1))]
+                + [{"num_processes": v} for v in (_divisors_near([batch // pd], processes, 1, batch) if batch % pd == 0 else [])])
+    steps_name = "gradient_accumulation_steps" if args["steps_per_generation"] is None else "steps_per_generation"
+    factors = {"per_device_train_batch_size": pd, steps_name: args[steps_name], "num_processes": processes}
+    generation = math.prod(factors.values())
+    fixes = []
+    if min(factors.values()) >= 1:
+        fixes += [{"num_generations": v} for v in
+                  _divisors_near(list(factors.values()), group, least_group(generation), generation)]
+    for name, value in factors.items():
+        rest = math.prod(v for k, v in factors.items() if k != name)
+        if rest >= 1 and group >= 2:
+            fixes += [{name: v} for v in _multiples_near(value, group // math.gcd(group, rest), cap(rest))]
+    return fixes
 
 # %% ../nbs/00_batching.ipynb
 def suggest_fixes(args: dict) -> list[dict]:
@@ -144,22 +278,16 @@ def suggest_fixes(args: dict) -> list[dict]:
     if args["steps_per_generation"] is not None and args["generation_batch_size"] is not None:
         drops = [{"generation_batch_size": None}, {"steps_per_generation": None}]
         return [d for d in drops if _valid({**args, **d})]
-    group, pd, processes = args["num_generations"], args["per_device_train_batch_size"], args["num_processes"]
-    if args["generation_batch_size"] is not None:
-        accumulation = "generation_batch_size"
-        micro_lcm = math.lcm(max(pd * processes, 1), max(group, 1))
-        reach = {accumulation: args[accumulation] + micro_lcm, "num_generations": args[accumulation]}
-    else:
-        accumulation = "gradient_accumulation_steps" if args["steps_per_generation"] is None else "steps_per_generation"
-        reach = {accumulation: args[accumulation] + group,
-                 "num_generations": max(pd * processes * args[accumulation], 0)}
-    reach |= {"per_device_train_batch_size": pd + group, "num_processes": processes + group}
-    fixes = [{name: v} for name in ("num_generations", "per_device_train_batch_size", accumulation, "num_processes")
-             for v in _nearest_valid(args, name, max(reach[name], group))]
+    fixes = [fix for fix in _candidates(args) if _valid({**args, **fix})]
+    for name in ("num_train_epochs", "num_iterations"):
+        if args[name] < 1 and _valid({**args, name: 1}):
+            fixes.append({name: 1})
+    if args["max_steps"] == 0 and _valid({**args, "max_steps": None}):
+        fixes.append({"max_steps": None})
     if args["dataset_size"] is not None and _valid({**args, "dataset_size": None}):
         unique = _build_plan({**args, "dataset_size": None}).unique_prompts_per_generation
         fixes.append({"dataset_size": unique})
-    return [f for f in fixes if _valid({**args, **f})]
+    return fixes
 
 # %% ../nbs/00_batching.ipynb
 def plan_batches(per_device_train_batch_size: int, gradient_accumulation_steps: int, num_processes: int = 1,
@@ -178,6 +306,36 @@ def plan_batches(per_device_train_batch_size: int, gradient_accumulation_steps: 
         return _build_plan(args)
     except BatchConfigError as e:
         raise BatchConfigError(str(e), suggest_fixes(args), args) from None
+
+# %% ../nbs/00_batching.ipynb
+BATCH_OPTIONS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                 "steps_per_generation", "generation_batch_size", "num_iterations", "num_train_epochs", "max_steps")
+
+_PLAN_DEFAULTS = {name: p.default for name, p in inspect.signature(plan_batches).parameters.items()}
+
+
+def _whole_epochs(value):
+    "`num_train_epochs` as an int when it is a whole number (TRL allows floats; grpo-lab trains whole epochs)."
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise BatchConfigError(f"num_train_epochs={short_repr(value)} must be a whole number: grpo-lab trains "
+                                   "whole epochs; use max_steps to stop part-way through one.")
+        return int(value)
+    return value
+
+# %% ../nbs/00_batching.ipynb
+def plan_for(options, num_processes: int = 1, dataset_size: int | None = None) -> BatchPlan:
+    "The plan of a `GRPOConfig`, or of a mapping of its `BATCH_OPTIONS`, on `num_processes` processes."
+    get = options.get if isinstance(options, Mapping) else lambda name, default: getattr(options, name, default)
+    values = {name: get(name, _PLAN_DEFAULTS[name]) for name in BATCH_OPTIONS}
+    missing = [name for name, value in values.items() if value is inspect.Parameter.empty]
+    if missing:
+        raise BatchConfigError(f"the options have no {', '.join(missing)}: a batch plan needs them.")
+    values["num_train_epochs"] = _whole_epochs(values["num_train_epochs"])
+    spg, batch = values["steps_per_generation"], values["generation_batch_size"]
+    if not isinstance(options, Mapping) and None not in (spg, batch) and batch == values["per_device_train_batch_size"] * num_processes * spg:
+        values["generation_batch_size"] = None       # a config that filled in both, consistently (TRL does)
+    return plan_batches(**values, num_processes=num_processes, dataset_size=dataset_size)
 
 # %% ../nbs/00_batching.ipynb
 _MEANING = {
