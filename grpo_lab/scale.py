@@ -5,23 +5,26 @@
 # %% ../nbs/08_scale.ipynb 2
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import difflib
+import functools
 import json
-import math
-import os
+import re
+import types
+import typing
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
-from .batching import BatchConfigError, BatchPlan, plan_batches
-from .models import MemoryEstimate, model_config, tiny_model_path
-from .trainer import GRPOConfig, config_kwargs
+from .batching import BATCH_OPTIONS, BatchConfigError, BatchPlan, plan_for, short_repr
 
 # %% auto 0
-__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'check_strategy', 'per_device_memory',
-           'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config', 'check_combination',
-           'launch_script', 'read_run', 'scaled_run', 'export_readme', 'export_run']
+__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'MAX_RUN_BYTES', 'check_strategy', 'per_device_memory',
+           'config_defaults', 'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config',
+           'check_combination', 'launch_script', 'load_run_file', 'convert_options', 'read_run', 'build_config',
+           'scaled_run', 'export_readme', 'export_run']
 
 # %% ../nbs/08_scale.ipynb
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
@@ -38,24 +41,41 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 # %% ../nbs/08_scale.ipynb
-def per_device_memory(estimate: MemoryEstimate, strategy: str, num_processes: int) -> MemoryEstimate:
-    "The `estimate` of one process with the parts `strategy` shards divided over `num_processes`."
+def per_device_memory(estimate, strategy: str, num_processes: int):
+    "The `MemoryEstimate` of one process with the parts `strategy` shards divided over `num_processes`."
+    from grpo_lab.models import MemoryEstimate
     parts = {k: v for k, v in estimate.as_dict().items() if k != "total"}
     for part in SHARDED_PARTS[check_strategy(strategy)]:
         parts[part] /= num_processes
     return MemoryEstimate(**parts, settings={**estimate.settings, "strategy": strategy, "processes": num_processes})
 
 # %% ../nbs/08_scale.ipynb
-_BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                 "steps_per_generation", "generation_batch_size", "num_iterations")
+@functools.cache
+def _config_fields() -> dict:
+    "GRPOConfig's options as `{name: (type, default)}`, read from the class on first use (importing it loads torch)."
+    from grpo_lab.trainer import GRPOConfig
+    try:
+        hints = typing.get_type_hints(GRPOConfig)
+    except (NameError, TypeError):
+        hints = {}
+    fields = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.init:
+            default = (f.default if f.default is not dataclasses.MISSING else
+                       f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            fields[f.name] = (hints.get(f.name, f.type), default)
+    return fields
 
 
-def _batch_options(args) -> dict:
-    "The batch options of a `GRPOConfig` or a mapping of its options (TRL's defaults where absent)."
-    values = args.to_dict() if isinstance(args, GRPOConfig) else dict(args)
-    defaults = {"gradient_accumulation_steps": 1, "num_generations": 8, "steps_per_generation": None,
-                "generation_batch_size": None, "num_iterations": 1}
-    return {k: values.get(k, defaults.get(k)) for k in _BATCH_FIELDS}
+def config_defaults() -> dict:
+    "GRPOConfig's default for every option, from the class itself (never retyped here)."
+    return {name: default for name, (_, default) in _config_fields().items()}
+
+
+def _batch_options(options) -> dict:
+    "The `BATCH_OPTIONS` of a mapping of GRPOConfig options, GRPOConfig's defaults where absent."
+    defaults = config_defaults()
+    return {name: options.get(name, defaults[name]) for name in BATCH_OPTIONS}
 
 
 def _processes(n: int) -> str:
@@ -64,21 +84,28 @@ def _processes(n: int) -> str:
 
 def _valid_plan(options: dict, num_processes: int) -> BatchPlan | None:
     try:
-        return plan_batches(**options, num_processes=num_processes)
+        return plan_for(options, num_processes)
     except BatchConfigError:
         return None
 
 # %% ../nbs/08_scale.ipynb
+def _pd_candidates(pd: int, from_processes: int, to_processes: int) -> set[int]:
+    "Per-device sizes worth trying, at most `pd`: the largest ones, and `pd`'s scaled and divided values."
+    scaled = max(pd * from_processes // to_processes, 1)
+    return ({v for v in range(max(pd - 256, 1), pd + 1)} | {max(pd // k, 1) for k in range(1, 257)}
+            | {v for v in range(max(scaled - 8, 1), min(scaled + 8, pd) + 1)})
+
+
 def same_effective_batch(args, from_processes: int, to_processes: int) -> dict:
     "The `gradient_accumulation_steps` (or per-device size) that keeps the completions per optimizer step when moving processes."
     options = _batch_options(args)
     pd = options["per_device_train_batch_size"]
-    before = plan_batches(**options, num_processes=from_processes)
+    before = plan_for(options, from_processes)
     target = before.completions_per_optimizer_step
     candidates = []
-    for new_pd in range(1, pd + 1):
+    for new_pd in _pd_candidates(pd, from_processes, to_processes):
         per_step = new_pd * to_processes
-        for new_ga in {max(target // per_step, 1), max(math.ceil(target / per_step), 1)}:
+        for new_ga in {max(target // per_step, 1), max(-(-target // per_step), 1)}:
             plan = _valid_plan({**options, "per_device_train_batch_size": new_pd, "gradient_accumulation_steps": new_ga},
                                to_processes)
             if plan is not None:
@@ -104,6 +131,7 @@ def same_effective_batch(args, from_processes: int, to_processes: int) -> dict:
 def decoder_layer_class(model: str) -> str | None:
     "The decoder layer class of `model` ('tiny', a folder or a hub id), or None when its config cannot be read."
     import transformers
+    from grpo_lab.models import model_config, tiny_model_path
     try:
         config = model_config(str(tiny_model_path()) if model == "tiny" else model)
     except OSError:
@@ -146,14 +174,16 @@ def accelerate_config(strategy: str, num_processes: int, *, num_machines: int = 
 def deepspeed_config(options: dict, zero_stage: int) -> dict:
     "The DeepSpeed JSON config for ZeRO `zero_stage` (no offload); `options` are the run's GRPOConfig options."
     if zero_stage not in (2, 3):
-        raise ValueError(f"zero_stage={zero_stage} must be 2 (shard gradients and optimizer states) or 3 (also weights).")
+        raise ValueError(f"zero_stage={short_repr(zero_stage)} must be 2 (shard gradients and optimizer states) "
+                         "or 3 (also weights).")
     zero = {"stage": zero_stage, "offload_optimizer": {"device": "none"}, "overlap_comm": True,
             "contiguous_gradients": True}
     if zero_stage == 3:
         zero |= {"offload_param": {"device": "none"}, "stage3_gather_16bit_weights_on_model_save": True}
-    return {"train_micro_batch_size_per_gpu": options.get("per_device_train_batch_size", 8),
-            "gradient_accumulation_steps": options.get("gradient_accumulation_steps", 1),
-            "gradient_clipping": options.get("max_grad_norm", 1.0), "zero_optimization": zero,
+    options = {**config_defaults(), **options}
+    return {"train_micro_batch_size_per_gpu": options["per_device_train_batch_size"],
+            "gradient_accumulation_steps": options["gradient_accumulation_steps"],
+            "gradient_clipping": options["max_grad_norm"], "zero_optimization": zero,
             "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
 
 # %% ../nbs/08_scale.ipynb
@@ -194,38 +224,149 @@ def launch_script(strategy: str, num_processes: int, num_machines: int = 1, cpu:
 
 # %% ../nbs/08_scale.ipynb
 RUN_KEYS = ("model", "dataset", "rewards")
+MAX_RUN_BYTES = 1_000_000
 
 
-def read_run(run) -> dict:
-    "A run as a mapping: `model`, `dataset`, `rewards` and GRPOConfig options, from a YAML path or a mapping."
-    values = dict(run) if isinstance(run, dict) else yaml.safe_load(Path(run).read_text()) or {}
-    missing = [k for k in RUN_KEYS if k not in values]
+class _RunLoader(yaml.SafeLoader):
+    "PyYAML's safe loader, refusing aliases (`*name`): a few of them can expand to gigabytes."
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ValueError(f"line {event.start_mark.line + 1}: a YAML alias (*{event.anchor[:40]}) "
+                             "repeats an anchored value; run files refuse aliases, so write the value out.")
+        return super().compose_node(parent, index)
+
+# %% ../nbs/08_scale.ipynb
+def _parse_yaml(text: str, where: str):
+    "YAML `text` with the alias guard; errors say `where` the text came from."
+    try:
+        return yaml.load(text, Loader=_RunLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"{where} is not valid YAML: {short_repr(e.problem or e.context, 120)[1:-1]}{at}.") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where} is not valid YAML: {short_repr(str(e), 120)}.") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{where} nests values too deeply to be a run description.") from None
+
+
+def load_run_file(path) -> dict:
+    "The mapping in a run YAML file (read once, at most `MAX_RUN_BYTES`, no aliases); errors name the file and the rule."
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"config file {path} {what}; see configs/ in the repository for examples.")
+    size = path.stat().st_size
+    if size > MAX_RUN_BYTES:
+        raise ValueError(f"config file {path} is {size:,} bytes; a run file is at most {MAX_RUN_BYTES:,} bytes "
+                         "(model, dataset, rewards and GRPOConfig options): put data in the dataset, not in the config.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not UTF-8 text; a run file is YAML.") from None
+    values = _parse_yaml(text, f"config file {path}")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        kind = "list" if isinstance(values, list) else f"single value ({type(values).__name__})"
+        raise ValueError(f"config file {path} holds a YAML {kind}, not a mapping: a run file is `name: value` lines "
+                         "(model, dataset, rewards and GRPOConfig options; see configs/tiny-cpu.yaml).")
+    keys = [k for k in values if not isinstance(k, str)]
+    if keys:
+        raise ValueError(f"config file {path} has the key {short_repr(keys[0])}: option names are text.")
+    return values
+
+# %% ../nbs/08_scale.ipynb
+_NONE_WORDS, _TRUE_WORDS, _FALSE_WORDS = ("none", "null", "~"), ("true", "yes", "y", "on", "1"), ("false", "no", "n", "off", "0")
+
+
+def _kinds(hint) -> set:
+    "The plain types a type hint accepts: `float | None` -> {float, NoneType}."
+    if isinstance(hint, str):
+        names = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict, "None": type(None)}
+        return {t for name, t in names.items() if re.search(rf"\b{name}\b", hint)} or {str}
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*map(_kinds, typing.get_args(hint)))
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(hint)}
+    if origin is not None:
+        return {origin if isinstance(origin, type) else object}
+    return {hint} if isinstance(hint, type) else {object}
+
+# %% ../nbs/08_scale.ipynb
+def _convert(name: str, value, kinds: set, where: str):
+    "`value` as the type of option `name` (HF argument parser style); a clear error when it is not one."
+    if isinstance(value, str):
+        text = value.strip()
+        if type(None) in kinds and text.lower() in _NONE_WORDS:
+            return None
+        if bool in kinds and text.lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return text.lower() in _TRUE_WORDS
+        for kind in (int, float):
+            if kind in kinds:
+                try:
+                    return kind(text)
+                except ValueError:
+                    pass
+        if kinds & {list, dict}:
+            return _parse_yaml(text, f"{name} {where}")
+        if kinds & {str, object}:
+            return value
+    elif isinstance(value, bool) or value is None or kinds & {object} or type(value) in kinds:
+        return value
+    elif isinstance(value, int) and float in kinds:
+        return float(value)
+    elif isinstance(value, float) and int in kinds and value.is_integer():
+        return int(value)
+    elif isinstance(value, (int, float)) and kinds & {str}:
+        return value
+    wanted = " or ".join(sorted({int: "a whole number", float: "a number", bool: "true or false",
+                                 list: "a list", dict: "a mapping", type(None): "null"}.get(k, k.__name__) for k in kinds))
+    raise ValueError(f"{name}={short_repr(value)} {where} is not {wanted}: e.g. --{name} "
+                     f"{ {float: '1e-5', int: '10', bool: 'true'}.get(next((k for k in (float, int, bool) if k in kinds), str), 'value') }.")
+
+# %% ../nbs/08_scale.ipynb
+def convert_options(values: Mapping, where: str) -> dict:
+    "`values` with every GRPOConfig option converted to its declared type; unknown names get the nearest as a hint."
+    fields, out = _config_fields(), {}
+    for name, value in values.items():
+        if name in RUN_KEYS:
+            out[name] = _parse_yaml(value, f"{name} {where}") if isinstance(value, str) and value[:1] in "[{" else value
+            continue
+        if name not in fields:
+            near = difflib.get_close_matches(name, list(fields) + list(RUN_KEYS), n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown GRPOConfig option {short_repr(name)} {where}.{hint}")
+        out[name] = _convert(name, value, _kinds(fields[name][0]), where)
+    return out
+
+# %% ../nbs/08_scale.ipynb
+def read_run(run, overrides: Mapping | None = None) -> dict:
+    "A run as a mapping (`model`, `dataset`, `rewards` and GRPOConfig options) from a YAML path or a mapping, plus overrides."
+    where = "in the run" if isinstance(run, Mapping) else f"in {run}"
+    values = dict(run) if isinstance(run, Mapping) else load_run_file(run)
+    values = {**convert_options(values, where), **convert_options(overrides or {}, "on the command line")}
+    missing = [k for k in RUN_KEYS if values.get(k) is None]
     if missing:
-        raise ValueError(f"the run has no {', '.join(missing)}: a run needs model, dataset and rewards "
+        source = "the run" if isinstance(run, Mapping) else f"config file {run}"
+        raise ValueError(f"{source} has no {', '.join(missing)}: a run needs model, dataset and rewards "
                          "(see configs/tiny-cpu.yaml).")
-    config_kwargs({k: v for k, v in values.items() if k not in RUN_KEYS})
     return values
 
 
-@contextlib.contextmanager
-def _launched_as(num_processes: int):
-    "WORLD_SIZE as `accelerate launch` sets it, so GRPOConfig checks its plan as each process will."
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(num_processes)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("WORLD_SIZE")
-        else:
-            os.environ["WORLD_SIZE"] = before
+def build_config(options: Mapping):
+    "`GRPOConfig(**options)` for options that `read_run` checked (the class is imported here: it loads torch)."
+    from grpo_lab.trainer import GRPOConfig
+    return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS})
 
 # %% ../nbs/08_scale.ipynb
 def _plan(options: dict, num_processes: int, dataset_size: int | None) -> BatchPlan:
     "The run's plan on `num_processes` processes (BatchConfigError with suggestions if it breaks)."
-    return plan_batches(**_batch_options(options), num_processes=num_processes, dataset_size=dataset_size,
-                        num_train_epochs=int(options.get("num_train_epochs", 3)),
-                        max_steps=options.get("max_steps") if (options.get("max_steps") or -1) > 0 else None)
+    return plan_for(_batch_options(options), num_processes, dataset_size)
 
 
 def scaled_run(run, num_processes: int, *, mixed_precision: str | None = None, cpu: bool = False,
@@ -241,15 +382,14 @@ def scaled_run(run, num_processes: int, *, mixed_precision: str | None = None, c
             warnings.warn(same["note"])
     precision = mixed_precision or ("no" if cpu else "bf16")
     if precision not in MIXED_PRECISION:
-        raise ValueError(f"mixed_precision={precision!r} is not one of {MIXED_PRECISION}.")
+        raise ValueError(f"mixed_precision={short_repr(precision)} is not one of {MIXED_PRECISION}.")
     flags = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     if any(bool(options.get(k, False)) != v for k, v in flags.items()):
         notes.append(f"mixed precision: {precision} (bf16={flags['bf16']}, fp16={flags['fp16']}); a T4's fp16 "
                      "becomes bf16 on Ampere or newer GPUs.")
     options |= flags
     _plan(options, num_processes, dataset_size)
-    with _launched_as(num_processes):
-        GRPOConfig(**config_kwargs(options))
+    build_config(options)
     return {**{k: values[k] for k in RUN_KEYS}, **options}, notes
 
 # %% ../nbs/08_scale.ipynb
@@ -323,18 +463,30 @@ def export_readme(before_run: dict, after_run: dict, strategy: str, num_processe
 # %% ../nbs/08_scale.ipynb
 def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", num_machines: int = 1,
                mixed_precision: str | None = None, cpu: bool = False, keep_effective_batch: bool = False,
-               dataset_size: int | None = None) -> Path:
+               dataset_size: int | None = None, overwrite: bool = False) -> Path:
     "Write `run.yaml`, `accelerate_config.yaml`, `launch.sh` and a README to run `run` with `accelerate launch`."
     check_strategy(strategy)
     if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
-        raise ValueError(f"num_processes={num_processes} over num_machines={num_machines}: both must be >= 1 and "
+        raise ValueError(f"num_processes={short_repr(num_processes)} over num_machines={short_repr(num_machines)}: both must be >= 1 and "
                          "num_processes (all machines together) a multiple of num_machines.")
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir {out} is a file: export writes a folder of files; choose a folder path.")
+    written = ["run.yaml", "accelerate_config.yaml", "launch.sh", "README.md"] + (
+        ["ds_config.json"] if strategy in ("zero2", "zero3") else [])
+    present = [name for name in written if (out / name).exists()]
+    if present and not overwrite:
+        raise ValueError(f"{out} already holds {', '.join(present)}: export would overwrite them. Choose another "
+                         "folder, or pass overwrite=True (grpo-lab export --overwrite) to replace them.")
+    run = read_run(run)
     scaled, notes = scaled_run(run, num_processes, mixed_precision=mixed_precision, cpu=cpu,
                                keep_effective_batch=keep_effective_batch, dataset_size=dataset_size)
     options = {k: v for k, v in scaled.items() if k not in RUN_KEYS}
     check_combination(options, strategy, cpu)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"output_dir {out} cannot be a folder: part of its path is a file.") from None
     header = f"# Exported by grpo_lab.scale.export_run for {num_processes} processes ({strategy}); see README.md.\n"
     (out / "run.yaml").write_text(header + yaml.safe_dump(scaled, sort_keys=False))
     layer = decoder_layer_class(str(scaled["model"])) if strategy == "fsdp" else None
@@ -348,6 +500,6 @@ def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", nu
         (out / "ds_config.json").write_text(json.dumps(deepspeed_config(options, int(strategy[-1])), indent=1) + "\n")
     (out / "launch.sh").write_text(launch_script(strategy, num_processes, num_machines, cpu))
     (out / "launch.sh").chmod(0o755)
-    (out / "README.md").write_text(export_readme(read_run(run), scaled, strategy, num_processes, num_machines, cpu,
+    (out / "README.md").write_text(export_readme(run, scaled, strategy, num_processes, num_machines, cpu,
                                                  notes, dataset_size))
     return out
