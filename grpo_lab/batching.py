@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from numbers import Integral
 
-import numpy as np
-
 # %% auto 0
 __all__ = ['OPTIONAL_COUNTS', 'BATCH_OPTIONS', 'BatchPlan', 'BatchConfigError', 'short_repr', 'suggest_fixes', 'plan_batches',
            'plan_for', 'describe_error', 'check_trl_versions', 'plot_generation_batch']
@@ -462,6 +460,7 @@ def check_trl_versions(per_device_train_batch_size: int, gradient_accumulation_s
 def plot_generation_batch(plan: BatchPlan, ax=None):
     "Draw one generation batch as a (processes x completions) grid coloured by prompt group; returns the axes."
     import matplotlib.pyplot as plt
+    import numpy as np
     from matplotlib.colors import ListedColormap
     pd, steps, procs = plan.per_device_train_batch_size, plan.steps_per_generation, plan.num_processes
     per_process = pd * steps

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
 
+from .batching import short_repr
+
 # %% auto 0
 __all__ = ['CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run',
-           'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot', 'cmd_demo', 'cmd_export', 'build_parser', 'main']
+           'resume_command', 'interrupted_message', 'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot',
+           'cmd_demo', 'cmd_export', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -33,13 +38,9 @@ def _positive_int(text: str) -> int:
 # %% ../nbs/09_cli.ipynb
 def cmd_plan(a) -> int:
     "Print the batch plan (or the error and its suggestions)."
-    from grpo_lab.batching import BatchConfigError, describe_error, plan_batches
+    from grpo_lab.batching import BATCH_OPTIONS, BatchConfigError, describe_error, plan_for
     try:
-        plan = plan_batches(a.per_device_train_batch_size, a.gradient_accumulation_steps,
-                            num_processes=a.num_processes, num_generations=a.num_generations,
-                            dataset_size=a.dataset_size, num_train_epochs=a.num_train_epochs,
-                            num_iterations=a.num_iterations, steps_per_generation=a.steps_per_generation,
-                            generation_batch_size=a.generation_batch_size)
+        plan = plan_for({name: getattr(a, name) for name in BATCH_OPTIONS}, a.num_processes, a.dataset_size)
     except BatchConfigError as e:
         print(describe_error(e), file=sys.stderr)
         return 2
@@ -62,6 +63,7 @@ def _add_plan(sub):
     p.add_argument("--num-iterations", type=_positive_int, default=1)
     p.add_argument("--steps-per-generation", type=_positive_int, default=None)
     p.add_argument("--generation-batch-size", type=_positive_int, default=None)
+    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps in all (-1: num_train_epochs)")
     p.add_argument("--explain", action="store_true", help="walk through the arithmetic in words")
     p.set_defaults(func=cmd_plan)
 
@@ -69,22 +71,28 @@ def _add_plan(sub):
 def resolve_reward(name: str):
     "A built-in reward function by name, or `package.module:function`."
     from grpo_lab import rewards
+    if not isinstance(name, str):
+        raise CLIError(f"a reward is a name or 'package.module:function', got {short_repr(name)}.")
     if ":" in name:
         module, fn = name.split(":", 1)
         try:
             return getattr(importlib.import_module(module), fn)
         except (ImportError, AttributeError) as e:
-            raise CLIError(f"reward {name!r} could not be imported ({e}); use 'package.module:function' on the Python path.")
+            raise CLIError(f"reward {short_repr(name)} could not be imported ({short_repr(str(e), 200)[1:-1]}); use 'package.module:function' on the Python path.")
     if name not in rewards.BUILTIN_REWARDS:
         builtins = ", ".join(rewards.BUILTIN_REWARDS)
-        raise CLIError(f"unknown reward {name!r}: use one of {builtins}, or 'package.module:function'.")
+        raise CLIError(f"unknown reward {short_repr(name)}: use one of {builtins}, or 'package.module:function'.")
     return rewards.BUILTIN_REWARDS[name]
 
 # %% ../nbs/09_cli.ipynb
 def resolve_model(model: str) -> str:
     "`tiny` is the shipped tiny model; anything else is a hub id or a path."
+    if not isinstance(model, str):
+        raise CLIError(f"model must be a hub id or a folder, got {short_repr(model)}.")
+    if model != "tiny":
+        return model
     from grpo_lab.models import tiny_model_path
-    return str(tiny_model_path()) if model == "tiny" else model
+    return str(tiny_model_path())
 
 
 def resolve_dataset(spec):
@@ -93,77 +101,93 @@ def resolve_dataset(spec):
     if isinstance(spec, str):
         return data.load_prompts(spec)
     if not isinstance(spec, dict):
-        raise CLIError(f"dataset must be a path, a hub id or a mapping, got {spec!r}.")
+        raise CLIError(f"dataset must be a path, a hub id or a mapping, got {short_repr(spec)}.")
     spec = dict(spec)
     if spec.get("task") == "arithmetic":
         spec.pop("task")
+        known = [p for p in inspect.signature(data.arithmetic_task).parameters]
+        unknown = [k for k in spec if k not in known]
+        if unknown:
+            raise CLIError(f"unknown key {short_repr(unknown[0])} in the arithmetic task spec: it takes task and "
+                           f"{', '.join(known)}.")
         return data.arithmetic_task(**spec)
     if "task" in spec:
-        raise CLIError(f"unknown built-in task {spec['task']!r}: the built-in task is 'arithmetic'.")
+        raise CLIError(f"unknown built-in task {short_repr(spec['task'])}: the built-in task is 'arithmetic'.")
     if "source" not in spec:
-        raise CLIError(f"a dataset mapping needs a 'source' (path or hub id), got keys {sorted(spec)}.")
+        raise CLIError(f"a dataset mapping needs a 'source' (path or hub id), got keys {short_repr(sorted(map(str, spec)))}.")
     if spec.pop("format", None) == "gsm8k":
         return data.format_gsm8k(spec.pop("source"), **spec)
     return data.load_prompts(spec.pop("source"), **spec)
 
 # %% ../nbs/09_cli.ipynb
-def _scalar(text: str):
-    "A flag value as a number if it is one (YAML reads `1e-5` as text), else as YAML (`true`, `[a, b]`)."
-    import yaml
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return yaml.safe_load(text)
-
-
 def parse_overrides(tokens: list[str]) -> dict:
-    "`['--max_steps', '10', '--bf16']` -> `{'max_steps': 10, 'bf16': True}`."
+    "`['--max_steps', '10', '--bf16']` -> `{'max_steps': '10', 'bf16': True}` (text; `load_run` converts by type)."
     out, i = {}, 0
     while i < len(tokens):
         tok = tokens[i]
         if not tok.startswith("--"):
-            raise CLIError(f"unexpected argument {tok!r}: overrides look like --learning_rate 1e-5.")
+            raise CLIError(f"unexpected argument {short_repr(tok)}: overrides look like --learning_rate 1e-5.")
         key, eq, value = tok[2:].partition("=")
         if eq:
             i += 1
         elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
             value, i = tokens[i + 1], i + 2
         else:
-            value, i = "true", i + 1
-        out[key.replace("-", "_")] = _scalar(value)
+            value, i = True, i + 1
+        out[key.replace("-", "_")] = value
     return out
 
 # %% ../nbs/09_cli.ipynb
 def load_run(config_path, overrides: dict):
-    "Read a run YAML and apply overrides: returns (model, dataset spec, reward names, GRPOConfig)."
-    import yaml
-    from grpo_lab.trainer import GRPOConfig, config_kwargs
-    path = Path(config_path)
-    if not path.exists():
-        raise CLIError(f"config file {path} does not exist; see configs/ in the repository for examples.")
-    values = {**(yaml.safe_load(path.read_text()) or {}), **overrides}
-    model, dataset, rewards = values.pop("model", None), values.pop("dataset", None), values.pop("rewards", None)
-    for key, val in (("model", model), ("dataset", dataset), ("rewards", rewards)):
-        if val is None:
-            raise CLIError(f"{path} has no '{key}': a run needs model, dataset and rewards (see configs/tiny-cpu.yaml).")
-    rewards = [rewards] if isinstance(rewards, str) else list(rewards)
+    "Read a run YAML once and apply overrides: returns (model, dataset spec, reward names, GRPOConfig)."
+    from grpo_lab.scale import build_config, read_run
     try:
-        args = GRPOConfig(**config_kwargs(values))
+        values = read_run(Path(config_path), overrides)
+        rewards = values["rewards"]
+        rewards = [rewards] if isinstance(rewards, str) else list(rewards) if isinstance(rewards, list) else None
+        if rewards is None:
+            raise CLIError(f"rewards in {config_path} must be a name or a list of names, got {short_repr(values['rewards'])}.")
+        args = build_config(values)
     except (TypeError, ValueError) as e:
-        raise CLIError(str(e))
-    return model, dataset, rewards, args
+        raise CLIError(str(e)) from None
+    return values["model"], values["dataset"], rewards, args
+
+# %% ../nbs/09_cli.ipynb
+def resume_command(config_path, tokens: list[str]) -> str:
+    "The `grpo-lab train` command that resumes this run: same config, same overrides, `--resume`."
+    words = ["grpo-lab", "train", "--config", str(config_path)] + [t for t in tokens if t != "--resume"] + ["--resume"]
+    return " ".join(shlex.quote(w) for w in words)
 
 
-def cmd_train(a, overrides: dict) -> int:
-    "Train from a YAML run description."
-    from grpo_lab.trainer import GRPOTrainer
+def interrupted_message(step: int, checkpoint, command: str) -> str:
+    "What `grpo-lab train` prints after Ctrl-C."
+    saved = f"{Path(checkpoint).name} saved" if checkpoint is not None else "no checkpoint saved"
+    return f"interrupted at step {step}, {saved}; resume with: {command}"
+
+# %% ../nbs/09_cli.ipynb
+def _final_policy(output_dir) -> Path | None:
+    "`output_dir` when the trainer saved a model there (weights or a LoRA adapter), else None."
+    out = Path(output_dir)
+    return out if any((out / name).exists() for name in ("config.json", "adapter_config.json")) else None
+
+
+def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
+    "Train from a YAML run description; Ctrl-C saves a checkpoint and exits 130 with the resume command."
     model, dataset, rewards, args = load_run(a.config, overrides)
     funcs = [resolve_reward(r) for r in rewards]
+    from grpo_lab.trainer import GRPOTrainer
     trainer = GRPOTrainer(resolve_model(model), funcs, args=args, train_dataset=resolve_dataset(dataset))
-    trainer.train(resume_from_checkpoint=a.resume or None)
-    print(f"final policy: {Path(args.output_dir) / 'final'}")
+    try:
+        trainer.train(resume_from_checkpoint=a.resume)
+    except KeyboardInterrupt as e:
+        from grpo_lab.trainer import TrainingInterrupted
+        if not isinstance(e, TrainingInterrupted):
+            raise
+        print(interrupted_message(e.step, e.checkpoint, resume_command(a.config, list(tokens))), file=sys.stderr)
+        return 130
+    final = _final_policy(args.output_dir)
+    print(f"final policy: {final}" if final else f"no final policy saved (save_strategy={args.save_strategy!r}); "
+          f"checkpoints are in {args.output_dir}")
     return 0
 
 
@@ -177,28 +201,28 @@ def _add_train(sub):
 
 # %% ../nbs/09_cli.ipynb
 def _accuracy_callback(eval_set, every: int, max_new_tokens: int):
+    "A `transformers.TrainerCallback` that measures greedy accuracy on `eval_set` and logs it as `eval/accuracy`."
+    from transformers import TrainerCallback
     from grpo_lab.models import greedy_accuracy
-    from grpo_lab.trainer import TrainerCallback
 
     class HeldOutAccuracy(TrainerCallback):
-        "Greedy accuracy on held-out problems every `every` steps, logged as `eval/accuracy`."
+        "Greedy accuracy on held-out problems at the start and every `every` steps."
         def __init__(self):
             self.points = []
 
-        def measure(self, trainer):
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            acc = greedy_accuracy(model, trainer.tokenizer, eval_set, max_new_tokens=max_new_tokens)
-            self.points.append((trainer.global_step, acc))
+        def measure(self, state, model, tokenizer):
+            self.points.append((state.global_step, greedy_accuracy(model, tokenizer, eval_set,
+                                                                   max_new_tokens=max_new_tokens)))
 
-        def on_train_begin(self, trainer):
-            self.measure(trainer)
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.measure(state, kwargs["model"], kwargs["processing_class"])
 
-        def on_step_end(self, trainer):
-            if trainer.global_step % every == 0 or trainer.global_step == trainer.plan.total_optimizer_steps:
-                self.measure(trainer)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % every == 0 or state.global_step == state.max_steps:
+                self.measure(state, kwargs["model"], kwargs["processing_class"])
 
-        def on_log(self, trainer, logs):
-            if self.points and self.points[-1][0] == logs["step"]:
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and self.points and self.points[-1][0] == state.global_step:
                 logs["eval/accuracy"] = self.points[-1][1]
 
     return HeldOutAccuracy()
@@ -217,12 +241,24 @@ def demo_config(output_dir: str, steps: int, seed: int = 0, lora_r: int | None =
                       num_train_epochs=1, num_completions_to_print=3)
 
 # %% ../nbs/09_cli.ipynb
+def _demo_folder(output_dir, overwrite: bool) -> Path:
+    "The demo's output folder: new or empty, or any folder with `overwrite` (nothing in it is deleted)."
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--output-dir {out} is a file: the demo writes a folder (model, logs, plots); choose a folder path.")
+    present = sorted(p.name for p in out.iterdir())[:5] if out.exists() else []
+    if present and not overwrite:
+        raise CLIError(f"--output-dir {out} already holds files ({', '.join(present)}, ...): the demo would write its "
+                       "model, logs and plots among them. Choose a new or empty folder, or pass --overwrite.")
+    return out
+
+
 def run_demo(output_dir="runs/demo", steps: int = 600, model: str = "tiny", seed: int = 0, lora_r: int | None = None,
              load_in_4bit: bool = False, learning_rate: float | None = None, eval_size: int = 500,
-             eval_every: int = 50, quiet: bool = False) -> dict:
+             eval_every: int = 50, quiet: bool = False, overwrite: bool = False) -> dict:
     "Train the tiny model on arithmetic with GRPO; return and save the summary."
     from grpo_lab.data import arithmetic_task
-    from grpo_lab.models import tiny_model_task
+    from grpo_lab.models import tiny_eval_problems, tiny_model_task
     from grpo_lab.rewards import exact_answer
     from grpo_lab.trainer import GRPOTrainer
     say = (lambda *x: None) if quiet else print
@@ -233,14 +269,11 @@ def run_demo(output_dir="runs/demo", steps: int = 600, model: str = "tiny", seed
                        f"in its warm start; use at most {task['eval_size']}.")
     gen = dict(max_operand=task["max_operand"], ops=task["ops"], min_operand=task["min_operand"])
     max_new = task["max_new_tokens"]
-    held_out = arithmetic_task(eval_size, seed=task["eval_seed"], **gen)
+    held_out = tiny_eval_problems(eval_size)
     unseen = set(held_out["prompt"])
     train_set = arithmetic_task(6000, seed=task["eval_seed"] + 1000 + seed, **gen)
     train_set = train_set.filter(lambda row: row["prompt"] not in unseen)
-    out = Path(output_dir)
-    if out.exists() and any(out.iterdir()):
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        (out / "completions.jsonl").unlink(missing_ok=True)
+    out = _demo_folder(output_dir, overwrite)
     args = demo_config(str(out), steps, seed, lora_r, load_in_4bit, learning_rate, max_new_tokens=max_new)
     callback = _accuracy_callback(held_out, eval_every, max_new)
     t0 = time.perf_counter()
@@ -249,14 +282,14 @@ def run_demo(output_dir="runs/demo", steps: int = 600, model: str = "tiny", seed
     seconds = time.perf_counter() - t0
     before, after = callback.points[0][1], callback.points[-1][1]
     say(f"held-out greedy accuracy before GRPO: {before:.1%} ({eval_size} problems)")
-    summary = {"accuracy_before": before, "accuracy_after": after, "steps": trainer.global_step,
+    summary = {"accuracy_before": before, "accuracy_after": after, "steps": trainer.state.global_step,
                "seconds": round(seconds, 1), "eval_problems": eval_size, "model": str(model),
                "lora_r": lora_r, "load_in_4bit": load_in_4bit, "accuracy_curve": callback.points}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     save_demo_plot(trainer.history, callback.points, out / "curves.png")
-    say(f"held-out greedy accuracy after {trainer.global_step} steps ({seconds:.0f} s): {after:.1%} "
-        f"({(after - before) * 100:+.1f} points). Wrote {out}/summary.json, curves.png, metrics.jsonl, final/")
+    say(f"held-out greedy accuracy after {trainer.state.global_step} steps ({seconds:.0f} s): {after:.1%} "
+        f"({(after - before) * 100:+.1f} points). Wrote {out}/summary.json, curves.png, metrics.jsonl and the final model")
     return summary
 
 # %% ../nbs/09_cli.ipynb
@@ -276,7 +309,8 @@ def save_demo_plot(history: list[dict], accuracy: list[tuple[int, float]], path)
 
 
 def cmd_demo(a) -> int:
-    run_demo(a.output_dir, a.steps, a.model, a.seed, a.lora_r, a.load_in_4bit, a.learning_rate, a.eval_size, a.eval_every)
+    run_demo(a.output_dir, a.steps, a.model, a.seed, a.lora_r, a.load_in_4bit, a.learning_rate, a.eval_size, a.eval_every,
+             overwrite=a.overwrite)
     return 0
 
 
@@ -293,6 +327,7 @@ def _add_demo(sub):
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--eval-size", type=_positive_int, default=500, help="held-out problems (at most 500 are never trained on by the warm start)")
     p.add_argument("--eval-every", type=_positive_int, default=50)
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files")
     p.set_defaults(func=cmd_demo)
 
 # %% ../nbs/09_cli.ipynb
@@ -300,12 +335,11 @@ def cmd_export(a) -> int:
     "Write run.yaml, accelerate_config.yaml, launch.sh and a README to run a YAML run with `accelerate launch`."
     from grpo_lab.batching import BatchConfigError, describe_error
     from grpo_lab.scale import export_run
-    if not Path(a.config).exists():
-        raise CLIError(f"config file {a.config} does not exist; see configs/ in the repository for examples.")
     try:
         out = export_run(a.config, a.output_dir, num_processes=a.num_processes, strategy=a.strategy,
                          num_machines=a.num_machines, mixed_precision=a.mixed_precision, cpu=a.cpu,
-                         keep_effective_batch=a.keep_effective_batch, dataset_size=a.dataset_size)
+                         keep_effective_batch=a.keep_effective_batch, dataset_size=a.dataset_size,
+                         overwrite=a.overwrite)
     except BatchConfigError as e:
         print(describe_error(e), file=sys.stderr)
         return 2
@@ -332,6 +366,7 @@ def _add_export(sub):
     p.add_argument("--keep-effective-batch", action="store_true",
                    help="lower gradient_accumulation_steps (or the per-device size) to keep the one-process run's prompts per step")
     p.add_argument("--dataset-size", "-N", type=_positive_int, default=None, help="number of prompts, to count steps per epoch")
+    p.add_argument("--overwrite", action="store_true", help="replace exported files already in the output folder")
     p.set_defaults(func=cmd_export)
 
 # %% ../nbs/09_cli.ipynb
@@ -353,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     a, extra = parser.parse_known_args(argv)
     try:
         if a.command == "train":
-            return a.func(a, parse_overrides(extra))
+            return a.func(a, parse_overrides(extra), extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return a.func(a)
