@@ -9,12 +9,14 @@ import inspect
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # %% auto 0
-__all__ = ['LOSS_TYPES', 'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS',
-           'selective_log_softmax', 'entropy_from_logits', 'completion_logps', 'clipped_surrogate', 'kl_k3',
-           'cispo_objective', 'sapo_objective', 'vespo_weights', 'high_entropy_mask', 'off_policy_mask',
-           'aggregate_loss', 'masked_mean', 'importance_log_weights', 'grpo_loss', 'reduce_loss_stats']
+__all__ = ['LM_HEAD_TILE_ELEMENTS', 'LOSS_TYPES', 'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS',
+           'LOSS_STAT_WEIGHTS', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps', 'completion_logps',
+           'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights', 'high_entropy_mask',
+           'off_policy_mask', 'aggregate_loss', 'masked_mean', 'importance_log_weights', 'grpo_loss',
+           'reduce_loss_stats']
 
 # %% ../nbs/03_loss.ipynb
 def _row_chunks(logits: torch.Tensor, chunk_size: int):
@@ -66,6 +68,55 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     return torch.cat(out).reshape(logits.shape[:-1])
 
 # %% ../nbs/03_loss.ipynb
+LM_HEAD_TILE_ELEMENTS = 2**24     # logits per tile: 64 MiB in float32
+
+
+def _tile_logps(hidden, weight, bias, ids, temperature, compute_entropy):
+    "Float32 log-probs of `ids (N,)` (and entropies) under the LM head applied to `hidden (N, H)`: one tile."
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits.div_(temperature)            # in place: the tile's only copy
+    lse = torch.logsumexp(logits, -1)
+    logps = logits.gather(-1, ids[:, None]).squeeze(-1) - lse
+    if not compute_entropy:
+        return (logps,)
+    return logps, lse - torch.linalg.vecdot(torch.softmax(logits, -1), logits)
+
+
+def lm_head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                  temperature: float = 1.0, compute_entropy: bool = False, tile_rows: int | None = None):
+    "Log-probs (float32) of `ids (...)` from final hidden states `(..., H)` through the LM head, one tile at a time."
+    flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+    tile_rows = tile_rows or max(1, LM_HEAD_TILE_ELEMENTS // weight.shape[0])
+    track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    tiles = []
+    for start in range(0, len(flat_ids), tile_rows):
+        args = (flat_hidden[start:start + tile_rows], weight, bias, flat_ids[start:start + tile_rows], temperature,
+                compute_entropy)
+        tiles.append(checkpoint(_tile_logps, *args, use_reentrant=False) if track else _tile_logps(*args))
+    logps = torch.cat([t[0] for t in tiles]).reshape(ids.shape)
+    return logps, (torch.cat([t[1] for t in tiles]).reshape(ids.shape) if compute_entropy else None)
+
+# %% ../nbs/03_loss.ipynb
+_LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _lm_head(model) -> tuple | None:
+    "(weight, bias) of `model`'s LM head when log-probs may be computed from its final hidden states, else None."
+    inner = _unwrap(model)
+    peft_config = getattr(model, "active_peft_config", None)
+    if (not hasattr(inner, "get_output_embeddings") or not hasattr(inner, "config")
+            or "logits_to_keep" not in _forward_args(model) or getattr(peft_config, "is_prompt_learning", False)):
+        return None
+    head, config = inner.get_output_embeddings(), inner.config.get_text_config()
+    if type(head) is not torch.nn.Linear or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_SCALES):
+        return None
+    weight = head.weight
+    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.numel() == 0 or hasattr(weight, "ds_id"):
+        return None
+    return weight, head.bias
+
+# %% ../nbs/03_loss.ipynb
 def _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, batch_size):
     "Raise a ValueError naming the first bad argument of `completion_logps`."
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
@@ -84,7 +135,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                      temperature: float = 1.0, batch_size: int | None = None, compute_entropy: bool = False):
     "Log-probs `(B, logits_to_keep)` of the last `logits_to_keep` tokens of `input_ids (B, L)`, and their entropies."
     _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, batch_size)
-    accepted, batch_size = _forward_args(model), batch_size or len(input_ids)
+    accepted, batch_size, head = _forward_args(model), batch_size or len(input_ids), _lm_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logps, entropies = [], []
     for start in range(0, len(input_ids), batch_size):
@@ -92,13 +143,19 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         inputs = {"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}
         if "position_ids" in accepted: inputs["position_ids"] = position_ids[rows]
         if "use_cache" in accepted: inputs["use_cache"] = False
-        if "logits_to_keep" in accepted: inputs["logits_to_keep"] = logits_to_keep + 1
-        logits = model(**inputs).logits[:, -(logits_to_keep + 1):-1]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logps.append(selective_log_softmax(logits, input_ids[rows, -logits_to_keep:]))
-        if compute_entropy:
-            entropies.append(entropy_from_logits(logits))
+        targets = input_ids[rows, -logits_to_keep:]
+        if head is not None:                       # hidden states in, one tile of logits at a time
+            hidden = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+            logp, entropy = lm_head_logps(hidden[:, -(logits_to_keep + 1):-1], *head, targets, temperature,
+                                          compute_entropy)
+        else:                                      # the model's own logits of the completion positions
+            if "logits_to_keep" in accepted: inputs["logits_to_keep"] = logits_to_keep + 1
+            logits = model(**inputs).logits[:, -(logits_to_keep + 1):-1]
+            logits = logits / temperature if temperature != 1.0 else logits
+            logp = selective_log_softmax(logits, targets)
+            entropy = entropy_from_logits(logits) if compute_entropy else None
+        logps.append(logp)
+        entropies.append(entropy)
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
 
 # %% ../nbs/03_loss.ipynb
