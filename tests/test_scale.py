@@ -146,7 +146,7 @@ def test_the_exported_launch_script_trains_on_two_cpu_processes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in logged] == [1, 2, 3]
-    assert (run_dir / "final" / "model.safetensors").exists()
+    assert (run_dir / "model.safetensors").exists()
     # Two processes ran: each prints the final line, and the epoch advanced as the 2-process plan says
     # (32 prompts per generation batch, 125 per epoch, against 16 and 250 on one process).
     assert r.stdout.count("final policy:") == 2, r.stdout
@@ -182,7 +182,7 @@ WEIGHTS_SCRIPT = textwrap.dedent("""
     trainer2 = GRPOTrainer(str(tiny_model_path()), exact_answer, args=edge, train_dataset=arithmetic_task(3, seed=5))
     trainer2.train()
     json.dump({"world": acc.num_processes, "before": before, "after": weights_hash(trainer),
-               "unique_prompts": trainer.plan.unique_prompts_per_generation, "edge_steps": trainer2.global_step,
+               "unique_prompts": trainer.plan.unique_prompts_per_generation, "edge_steps": trainer2.state.global_step,
                "edge_after": weights_hash(trainer2), "edge_samples": trainer2.samples},
               open(f"{out}/rank{acc.process_index}.json", "w"))
 """)
@@ -207,3 +207,32 @@ def test_both_processes_end_with_identical_weights(tmp_path):
     shared = lambda r: [s["completion"] for s in r["edge_samples"] if s["prompt"] == ranks[0]["edge_samples"][-1]["prompt"]]
     assert ranks[0]["edge_samples"][-1]["prompt"] == ranks[1]["edge_samples"][0]["prompt"]
     assert shared(ranks[0]) != shared(ranks[1])
+
+
+def test_export_refuses_to_overwrite_and_to_write_into_a_file(tmp_path):
+    (tmp_path / "launch.sh").write_text("echo mine")
+    with pytest.raises(ValueError, match="already holds launch.sh: export would overwrite"):
+        export_run(TINY, tmp_path, num_processes=2)
+    assert (tmp_path / "launch.sh").read_text() == "echo mine" and not (tmp_path / "run.yaml").exists()
+    with pytest.raises(ValueError, match="is a file"):
+        export_run(TINY, tmp_path / "launch.sh", num_processes=2)
+    assert (export_run(TINY, tmp_path, num_processes=2, overwrite=True) / "run.yaml").exists()
+
+
+def test_the_run_yaml_is_read_once(tmp_path, monkeypatch):
+    import grpo_lab.scale as scale
+    reads = []
+    monkeypatch.setattr(scale, "load_run_file", lambda path, real=scale.load_run_file: reads.append(path) or real(path))
+    export_run(TINY, tmp_path, num_processes=2)
+    assert reads == [TINY]
+
+
+def test_options_convert_as_trl_does_and_bad_values_are_named(tmp_path):
+    from grpo_lab.scale import read_run
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(TINY.read_text() + "warmup_ratio: 1e-1\n")
+    run = read_run(cfg, {"learning_rate": "1e-5", "max_steps": "7", "bf16": "false"})
+    assert (run["warmup_ratio"], run["learning_rate"], run["max_steps"], run["bf16"]) == (0.1, 1e-5, 7, False)
+    with pytest.raises(ValueError, match="on the command line is not a whole number") as e:
+        read_run(cfg, {"max_steps": "x" * 10**6})
+    assert str(e.value).startswith("max_steps='xxx") and len(str(e.value)) < 300
