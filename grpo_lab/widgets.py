@@ -16,6 +16,7 @@ import torch
 from IPython import get_ipython
 from IPython.display import display
 from matplotlib.figure import Figure
+from transformers import TrainerCallback
 
 from .advantages import SCALE_REWARDS, compute_advantages, group_statistics, sum_rewards
 from .batching import BatchConfigError, BatchPlan, describe_error, plan_batches, plot_generation_batch
@@ -26,7 +27,7 @@ __all__ = ['DASHBOARD_METRICS', 'in_notebook', 'figure_png', 'picture', 'fmt', '
            'plan_or_error', 'plan_tables', 'generation_batch_png', 'change_label', 'plan_html', 'error_html',
            'BatchExplorer', 'loss_weights', 'group_advantages', 'loss_notes', 'loss_weights_png', 'parse_numbers',
            'NormalizationExplorer', 'parse_reward_table', 'advantage_table', 'advantage_rows', 'advantages_png',
-           'AdvantageExplorer', 'curves_png', 'samples_html', 'Dashboard', 'TrainingDashboard']
+           'AdvantageExplorer', 'curves_png', 'samples_html', 'TrainingDashboard']
 
 # %% ../nbs/07_widgets.ipynb
 def in_notebook() -> bool:
@@ -561,8 +562,8 @@ def samples_html(samples: list[dict], limit: int = 8, width: int = 300) -> str:
             f"<th {cell}>reward</th></tr>{rows}</table>")
 
 # %% ../nbs/07_widgets.ipynb
-class Dashboard(Explorer):
-    "Live curves and latest completions of a GRPO run; use it as `TrainingDashboard()` in `GRPOTrainer(callbacks=...)`."
+class TrainingDashboard(Explorer, TrainerCallback):
+    "Live curves and latest completions of a GRPO run: `GRPOTrainer(..., callbacks=[TrainingDashboard()])`."
     def __init__(self, metrics: dict[str, str] | None = None, max_samples: int = 8, min_interval: float = 1.0):
         self.metrics, self.max_samples, self.min_interval = dict(metrics or DASHBOARD_METRICS), max_samples, min_interval
         self.curves, self.samples, self.logs, self.total_steps, self._logs_seen = {}, [], {}, None, 0
@@ -570,24 +571,21 @@ class Dashboard(Explorer):
         self.title, self.picture, self.table = widgets.HTML(), picture(), widgets.HTML()
         self.widget = widgets.VBox([self.title, self.picture, self.table])
 
-    def on_train_begin(self, trainer):
-        for logs in getattr(trainer, "history", []):
+    def on_train_begin(self, args, state, control, **kwargs):
+        for logs in state.log_history:
             self._record(logs)
+        self.total_steps = state.max_steps or None
         if self.live and not self._shown:
             display(self)
         self.redraw()
 
-    def on_log(self, trainer, logs: dict):
-        self._record(logs)
-        self.samples = list(getattr(trainer, "samples", None) or [])
-        self.total_steps = getattr(getattr(trainer, "plan", None), "total_optimizer_steps", None)
+    def on_log(self, args, state, control, logs=None, completions=None, **kwargs):
+        self._record({**(logs or {}), "step": state.global_step})
+        self.samples = list(completions or self.samples)
         if time.monotonic() - self._drawn_at >= self.min_interval:
             self.redraw()
 
-    def on_step_end(self, trainer): pass
-    def on_save(self, trainer, path): pass
-
-    def on_train_end(self, trainer):
+    def on_train_end(self, args, state, control, **kwargs):
         self.redraw()
 
     def _record(self, logs: dict):
@@ -633,17 +631,4 @@ def _dashboard_bundle(self, include=None, exclude=None) -> dict:
     return Explorer._repr_mimebundle_(self, include, exclude)
 
 
-Dashboard.redraw, Dashboard.text, Dashboard._repr_mimebundle_ = _dashboard_redraw, _dashboard_text, _dashboard_bundle
-
-# %% ../nbs/07_widgets.ipynb
-_all_ = ["TrainingDashboard"]
-
-
-def __getattr__(name: str):
-    "Make `TrainingDashboard` (a `Dashboard` that is a `grpo_lab.trainer.TrainerCallback`) on first use."
-    if name != "TrainingDashboard":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from grpo_lab.trainer import TrainerCallback
-    cls = type("TrainingDashboard", (Dashboard, TrainerCallback), {"__module__": __name__, "__doc__": Dashboard.__doc__})
-    globals()[name] = cls
-    return cls
+TrainingDashboard.redraw, TrainingDashboard.text, TrainingDashboard._repr_mimebundle_ = _dashboard_redraw, _dashboard_text, _dashboard_bundle

@@ -1,24 +1,27 @@
-"""End-to-end GRPO training on CPU with the shipped tiny model: steps, resume, faults, QLoRA, learning."""
+"""End-to-end GRPO training on CPU with the shipped tiny model: steps, resume, faults, callbacks, QLoRA, learning."""
 import json
-import warnings
+import logging
+import math
 
 import pytest
 import torch
 from datasets import load_dataset
+from transformers import EarlyStoppingCallback, TrainerCallback
 
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.data import arithmetic_task
 from grpo_lab.models import tiny_model_path
 from grpo_lab.rewards import RewardFunctionError, exact_answer
-from grpo_lab.trainer import NonFiniteLossError, TrainerCallback
+from grpo_lab.trainer import NonFiniteLossError, TrainingInterrupted
 
 TINY = str(tiny_model_path())
 
 
 def small_args(out, **kw):
-    "A fast config: 4 completions per prompt, answers of at most 5 tokens."
+    "A fast config: 4 completions per prompt, answers of at most 5 tokens, no gradient checkpointing."
     base = dict(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
-                learning_rate=1e-3, logging_steps=1, disable_tqdm=True, num_train_epochs=1)
+                learning_rate=1e-3, logging_steps=1, disable_tqdm=True, num_train_epochs=1,
+                gradient_checkpointing=False, save_strategy="no")
     return GRPOConfig(**{**base, **kw})
 
 
@@ -26,24 +29,38 @@ def weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
 
 
-def test_trl_quickstart_with_only_the_import_changed(tmp_path):
-    "TRL's quick-start: a GRPOConfig, reward_len, a dataset with a prompt column, trainer.train()."
+def same_weights(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trl_quickstart_as_people_write_it(tmp_path):
+    "TRL's quick-start with only the import changed, and its reward without **kwargs."
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in arithmetic_task(8)["prompt"]))
     dataset = load_dataset("json", data_files=str(tmp_path / "prompts.jsonl"), split="train")
 
-    def reward_len(completions, **kwargs):
-        return [-abs(20 - len(completion)) for completion in completions]
+    def reward_len(prompts, completions):
+        return [len(c) for c in completions]
 
     training_args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
-                               gradient_accumulation_steps=2, logging_steps=2, disable_tqdm=True)
+                               gradient_accumulation_steps=2, logging_steps=2, disable_tqdm=True, max_completion_length=8)
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
-    trainer.train()
+    output = trainer.train()
     # 8 completions x 2 accumulation = 16 = 2 prompts per step; 8 prompts x 3 epochs (TRL's default)
-    assert trainer.global_step == trainer.plan.total_optimizer_steps == 12
+    assert output.global_step == trainer.state.global_step == trainer.plan.total_optimizer_steps == 12
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in logged] == [2, 4, 6, 8, 10, 12]
-    assert {"reward", "loss", "rewards/reward_len/mean", "completions/mean_length", "grad_norm"} <= set(logged[-1])
-    assert (tmp_path / "out" / "final" / "tokenizer.json").exists()
+    assert [h["step"] for h in trainer.state.log_history] == [2, 4, 6, 8, 10, 12]
+    trl_keys = {"loss", "grad_norm", "learning_rate", "epoch", "reward", "reward_std", "frac_reward_zero_std",
+                "rewards/reward_len/mean", "rewards/reward_len/std", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                "completions/min_terminated_length", "completions/max_terminated_length", "entropy",
+                "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                "clip_ratio/region_mean"}
+    assert trl_keys <= set(logged[-1]), trl_keys - set(logged[-1])
+    assert logged[-1]["epoch"] == 3.0
+    assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "model.safetensors").exists()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "- trl" in card and "- grpo" in card
 
 
 @pytest.mark.parametrize("kw", [
@@ -59,40 +76,76 @@ def test_optimizer_steps_equal_the_plan(tmp_path, kw):
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda *a, **k: (calls.append(1), step(*a, **k))[1]
     trainer.train()
-    assert len(calls) == trainer.global_step == trainer.plan.total_optimizer_steps
+    assert len(calls) == trainer.state.global_step == trainer.plan.total_optimizer_steps
 
 
 def test_resume_mid_rollout_matches_an_uninterrupted_run(tmp_path):
     "LoRA, two iterations and two optimizer steps per rollout: checkpoint-3 falls inside a rollout."
-    kw = dict(lora_r=4, num_iterations=2, steps_per_generation=2, save_steps=1, max_steps=6, learning_rate=5e-3)
+    kw = dict(lora_r=4, num_iterations=2, steps_per_generation=2, save_strategy="steps", save_steps=1, max_steps=6,
+              learning_rate=5e-3)
     full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=arithmetic_task(32))
     full.train()
     resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=arithmetic_task(32))
     resumed.train(resume_from_checkpoint=tmp_path / "full" / "checkpoint-3")
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
     assert [h["reward"] for h in resumed.history] == [h["reward"] for h in full.history]
-    a, b = weights(full), weights(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(weights(full), weights(resumed))
+    logged = [json.loads(l)["step"] for l in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]            # the resumed history, then the new steps, no repeats
 
 
 def test_keyboard_interrupt_saves_and_resume_completes_the_run(tmp_path):
     class Interrupt(TrainerCallback):
-        def on_step_end(self, trainer):
-            if trainer.global_step == 3:
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
                 raise KeyboardInterrupt
 
-    kw = dict(max_steps=5, save_steps=100)
+    kw = dict(max_steps=5)
     reference = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "ref", **kw), train_dataset=arithmetic_task(32))
     reference.train()
     out = tmp_path / "run"
     first = GRPOTrainer(TINY, exact_answer, args=small_args(out, **kw), train_dataset=arithmetic_task(32), callbacks=[Interrupt()])
-    first.train()
-    assert (out / "checkpoint-3").exists() and not (out / "final").exists()
+    with pytest.raises(TrainingInterrupted) as stop:
+        first.train()
+    assert stop.value.step == 3 and stop.value.checkpoint == out / "checkpoint-3" and "checkpoint-3" in str(stop.value)
+    assert (out / "checkpoint-3").exists() and not (out / "model.safetensors").exists()
     second = GRPOTrainer(TINY, exact_answer, args=small_args(out, **kw), train_dataset=arithmetic_task(32))
     second.train(resume_from_checkpoint=True)
-    assert second.global_step == 5
-    a, b = weights(reference), weights(second)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert second.state.global_step == 5
+    assert same_weights(weights(reference), weights(second))
+
+
+def test_a_callback_can_stop_training_and_early_stopping_works_with_evaluation(tmp_path):
+    args = small_args(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=1, metric_for_best_model="reward",
+                      save_strategy="steps", save_steps=1, load_best_model_at_end=True, per_device_eval_batch_size=8)
+    stopper = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=10.0)  # nothing improves by 10
+    trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(64),
+                          eval_dataset=arithmetic_task(4, seed=1), callbacks=[stopper])
+    trainer.train()
+    assert trainer.state.global_step == 3           # best at step 1, then two evaluations without improvement
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [1, 2, 3]
+    assert trainer.state.best_metric == max(h["eval_reward"] for h in evals)
+    assert {"eval_rewards/exact_answer/mean", "eval_completions/mean_length"} <= set(evals[0])
+
+
+def test_reward_function_arguments_as_in_trl(tmp_path):
+    seen = {}
+
+    def reward_with_state(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra):
+        seen["step"] = trainer_state.global_step
+        log_metric("my_metric", 0.5)
+        log_extra("note", ["x"] * len(completions))
+        return [float(len(ids)) for ids in completion_ids]
+
+    async def async_reward(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(TINY, [reward_with_state, async_reward], args=small_args(tmp_path, max_steps=2),
+                          train_dataset=arithmetic_task(16))
+    trainer.train()
+    assert seen["step"] == 1 and trainer.history[-1]["my_metric"] == 0.5
+    assert "rewards/async_reward/mean" in trainer.history[-1]
 
 
 def test_a_raising_reward_function_is_named_with_the_checkpoint_to_resume_from(tmp_path):
@@ -104,7 +157,8 @@ def test_a_raising_reward_function_is_named_with_the_checkpoint_to_resume_from(t
             raise KeyError("answer")
         return [0.0] * len(completions)
 
-    trainer = GRPOTrainer(TINY, flaky_reward, args=small_args(tmp_path, save_steps=1), train_dataset=arithmetic_task(32))
+    trainer = GRPOTrainer(TINY, flaky_reward, args=small_args(tmp_path, save_strategy="steps", save_steps=1),
+                          train_dataset=arithmetic_task(32))
     with pytest.raises(RewardFunctionError) as err:
         trainer.train()
     msg = str(err.value)
@@ -122,12 +176,13 @@ def test_a_reward_function_returning_garbage_is_named(tmp_path):
 
 def test_a_non_finite_loss_stops_before_the_weights_change(tmp_path, monkeypatch):
     import grpo_lab.trainer as tr
-    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, save_steps=2, max_steps=6), train_dataset=arithmetic_task(32))
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=6),
+                          train_dataset=arithmetic_task(32))
     real_loss, snapshot = tr.grpo_loss, {}
 
     def loss_turning_nan(*a, **k):
         loss, stats = real_loss(*a, **k)
-        if trainer.global_step == 2:
+        if trainer.state.global_step == 2:
             snapshot.update(weights(trainer))
             return loss * float("nan"), stats
         return loss, stats
@@ -135,15 +190,55 @@ def test_a_non_finite_loss_stops_before_the_weights_change(tmp_path, monkeypatch
     monkeypatch.setattr(tr, "grpo_loss", loss_turning_nan)
     with pytest.raises(NonFiniteLossError, match="checkpoint-2"):
         trainer.train()
-    after = weights(trainer)
-    assert all(torch.equal(snapshot[k], after[k]) for k in after)
+    assert same_weights(snapshot, weights(trainer))
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
-def test_qlora_trains_only_the_adapter_and_final_loads_with_peft(tmp_path):
+@pytest.mark.parametrize("no_clip", [0.0, -1.0, None])
+def test_max_grad_norm_zero_negative_or_none_means_no_clipping(tmp_path, no_clip):
+    "The HF Trainer's meaning: the same update as an unreachable clip threshold (before: frozen or reversed)."
+    runs = {}
+    for name, value in (("none", no_clip), ("huge", 1e9)):
+        t = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / name, max_grad_norm=value, max_steps=2),
+                        train_dataset=arithmetic_task(16))
+        t.train()
+        runs[name] = weights(t)
+    assert same_weights(runs["none"], runs["huge"])
+
+
+def test_logged_dapo_loss_does_not_depend_on_accumulation(tmp_path):
+    "The same 16 completions as one micro-batch or two: dapo's step loss is the sum of the micro-batch losses."
+    def length(prompts, completions, **kw):            # rewards that differ with length: a non-zero loss value
+        return [float(len(c)) for c in completions]
+
+    losses = []
+    for pd, ga in ((16, 1), (8, 2)):
+        t = GRPOTrainer(TINY, length, args=small_args(tmp_path / f"{pd}", per_device_train_batch_size=pd,
+                                                      gradient_accumulation_steps=ga, max_steps=1, max_completion_length=8, temperature=3.0,
+                                                      loss_type="dapo"), train_dataset=arithmetic_task(16))
+        t.train()
+        losses.append(t.history[-1]["loss"])
+    assert losses[0] != 0 and math.isclose(losses[0], losses[1], rel_tol=1e-4, abs_tol=1e-6), losses
+
+
+def test_mask_truncated_completions_hides_them_from_the_loss_not_from_the_rewards(tmp_path):
+    seen = []
+
+    def record(prompts, completions, **kw):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    t = GRPOTrainer(TINY, record, args=small_args(tmp_path, mask_truncated_completions=True, max_completion_length=2,
+                                                  max_steps=1), train_dataset=arithmetic_task(16))
+    t.train()
+    assert all(len(c) > 0 for c in seen) and t.history[-1]["completions/mean_length"] > 0
+
+
+def test_qlora_trains_only_the_adapter_and_the_saved_model_loads_with_peft(tmp_path):
     from peft import AutoPeftModelForCausalLM
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, load_in_4bit=True, lora_r=8, max_steps=3,
-                                                              learning_rate=1e-2), train_dataset=arithmetic_task(32))
+                                                              learning_rate=1e-2, save_strategy="steps"),
+                          train_dataset=arithmetic_task(32))
     before = weights(trainer)
     trainer.train()
     after = weights(trainer)
@@ -151,18 +246,37 @@ def test_qlora_trains_only_the_adapter_and_final_loads_with_peft(tmp_path):
     base = [k for k in after if "lora_" not in k]
     assert lora and any(not torch.equal(before[k], after[k]) for k in lora)
     assert all(torch.equal(before[k], after[k]) for k in base)
-    model = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "final")
+    model = AutoPeftModelForCausalLM.from_pretrained(tmp_path)
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
 
 
-def test_full_fine_tuning_with_kl_reports_kl_and_final_loads_with_transformers(tmp_path):
+def test_peft_config_and_a_peft_model_are_accepted(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    by_config = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "a", max_steps=1), train_dataset=arithmetic_task(16),
+                            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    by_config.train()
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY), LoraConfig(r=4, target_modules=["q_proj"]))
+    by_model = GRPOTrainer(peft_model, exact_answer, args=small_args(tmp_path / "b", max_steps=1),
+                           train_dataset=arithmetic_task(16))
+    by_model.train()
+    assert any("lora_" in k for k in weights(by_model)) and any("lora_" in k for k in weights(by_config))
+
+
+def test_full_fine_tuning_with_kl_reports_kl_and_the_saved_model_loads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, beta=0.1, max_steps=3), train_dataset=arithmetic_task(32))
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, beta=0.1, max_steps=3, save_strategy="steps"),
+                          train_dataset=arithmetic_task(32))
     trainer.train()
     assert trainer.history[-1]["kl"] > 0          # the policy moved away from the frozen reference
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "final")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
     assert tok.padding_side == "left" and model.config.vocab_size == len(tok)
+
+
+def test_save_strategy_no_writes_no_model(tmp_path):
+    GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=2), train_dataset=arithmetic_task(16)).train()
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("checkpoint-*"))
 
 
 def test_dataset_errors_come_before_any_model_loads(tmp_path):
@@ -171,14 +285,31 @@ def test_dataset_errors_come_before_any_model_loads(tmp_path):
                     train_dataset=[{"question": "1+1="}, {"question": "2+2="}])
 
 
-def test_long_prompts_are_cut_from_the_left_with_one_warning(tmp_path):
+def test_output_dir_that_is_a_file_fails_at_construction(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "file"), train_dataset=arithmetic_task(16))
+
+
+def test_long_prompts_are_cut_from_the_left_with_one_warning_per_batch(tmp_path, caplog):
     rows = [{"prompt": "0" * 40 + p, "answer": a} for p, a in zip(*arithmetic_task(16)[:].values())]
-    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_prompt_length=8, max_steps=3), train_dataset=rows)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_prompt_length=8, max_steps=1), train_dataset=rows)
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
         trainer.train()
-    cut = [w for w in caught if "max_prompt_length" in str(w.message)]
-    assert len(cut) == 1
+    assert any("max_prompt_length=8" in r.message for r in caplog.records)
+
+
+def test_tensorboard_receives_the_logs(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=2, report_to="tensorboard"),
+                          train_dataset=arithmetic_task(16))
+    trainer.train()
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent)).Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/reward" in tags and [e.step for e in acc.Scalars("train/reward")] == [1, 2]
 
 
 def test_a_short_demo_run_improves_held_out_accuracy(tmp_path):

@@ -1,0 +1,134 @@
+"""Checkpoints survive faults: SIGKILL at random moments, half-written folders, damaged files, pickled payloads."""
+import json
+import logging
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_lab import GRPOConfig, GRPOTrainer
+from grpo_lab.data import arithmetic_task
+from grpo_lab.models import tiny_model_path
+from grpo_lab.rewards import exact_answer
+
+TINY = str(tiny_model_path())
+
+# One run that saves every step; it resumes from the newest complete checkpoint when there is one.
+SCRIPT = """
+import sys
+from pathlib import Path
+from transformers import TrainerCallback
+from grpo_lab import GRPOConfig, GRPOTrainer
+from grpo_lab.data import arithmetic_task
+from grpo_lab.models import tiny_model_path
+from grpo_lab.rewards import exact_answer
+
+class Say(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        print("step", state.global_step, flush=True)
+
+out = Path(sys.argv[1])
+args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                  learning_rate=1e-3, logging_steps=1, disable_tqdm=True, max_steps=12, lora_r=4,
+                  gradient_checkpointing=False, save_strategy="steps", save_steps=1, save_total_limit=2)
+trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(64), callbacks=[Say()])
+trainer.train(resume_from_checkpoint=any(out.glob("checkpoint-*")))
+print("done", flush=True)
+"""
+
+
+def run_until_killed(script, out, kill_after_step, delay):
+    "Start the run, and SIGKILL it `delay` seconds after it reports `kill_after_step` (or let it finish)."
+    proc = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1]) >= kill_after_step:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    return proc.returncode
+
+
+def test_sigkill_at_random_moments_then_resume_reproduces_an_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    assert run_until_killed(SCRIPT, reference, kill_after_step=10 ** 9, delay=0) == 0
+    rng, out, kills = random.Random(0), tmp_path / "killed", 0
+    for kill_after in (2, 5, 8):
+        code = run_until_killed(SCRIPT, out, kill_after, delay=rng.uniform(0.0, 0.08))
+        kills += code == -signal.SIGKILL
+    assert kills >= 2                                        # the runs really were killed mid-way
+    assert run_until_killed(SCRIPT, out, kill_after_step=10 ** 9, delay=0) == 0
+    a, b = load_file(reference / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))                      # the log holds each step once, in order
+
+
+def small_run(out, **kw):
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                      learning_rate=1e-3, logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
+                      save_strategy="steps", save_steps=1, **kw)
+    return GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32))
+
+
+def test_resume_skips_incomplete_checkpoints_and_names_them(tmp_path, caplog):
+    small_run(tmp_path, max_steps=3).train()
+    (tmp_path / "checkpoint-3" / "optimizer.pt").unlink()           # as if the run died while writing it
+    (tmp_path / "tmp-checkpoint-4").mkdir()
+    trainer = small_run(tmp_path, max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+        trainer.train(resume_from_checkpoint=True)
+    assert any("skipping checkpoint-3" in r.message and "optimizer.pt" in r.message for r in caplog.records)
+    assert trainer.state.global_step == 4
+
+
+def test_a_damaged_checkpoint_given_by_path_gets_an_error_naming_the_file(tmp_path):
+    small_run(tmp_path, max_steps=2).train()
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])                # cut short
+    with pytest.raises(ValueError, match="model.safetensors cannot be read"):
+        small_run(tmp_path, max_steps=3).train(resume_from_checkpoint=tmp_path / "checkpoint-2")
+
+
+class Payload:
+    "A pickle that runs code when loaded."
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_never_runs_code_when_loaded(tmp_path):
+    small_run(tmp_path, max_steps=2).train()
+    marker = tmp_path / "payload-ran"
+    for name in ("optimizer.pt", "scheduler.pt", "process_0.pt"):
+        with open(tmp_path / "checkpoint-2" / name, "wb") as f:
+            pickle.dump({"state": Payload(str(marker))}, f)
+    with pytest.raises(ValueError, match="never loads"):
+        small_run(tmp_path, max_steps=3).train(resume_from_checkpoint=True)
+    assert not marker.exists()
+
+
+def test_resume_with_other_batch_options_is_refused(tmp_path):
+    small_run(tmp_path, max_steps=2).train()
+    with pytest.raises(ValueError, match="per_device_train_batch_size: 8 -> 4"):
+        GRPOTrainer(TINY, exact_answer, args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                                        num_generations=4, max_completion_length=5, max_steps=3,
+                                                        disable_tqdm=True, gradient_checkpointing=False),
+                    train_dataset=arithmetic_task(32)).train(resume_from_checkpoint=True)
+
+
+def test_a_fresh_run_in_a_used_folder_starts_a_clean_log(tmp_path):
+    small_run(tmp_path, max_steps=2).train()
+    small_run(tmp_path, max_steps=1).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]
