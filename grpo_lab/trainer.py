@@ -191,8 +191,7 @@ REFUSED_OPTIONS = {
     "max_tool_calling_iterations": "tool calling is not supported",
     "log_completions_hub_repo": "completions are written to output_dir/completions.jsonl, never pushed to a hub",
     "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",
-    "entropy_coef": "the entropy bonus is not implemented yet (leave entropy_coef=0.0)",
-    "use_adaptive_entropy": "the adaptive entropy bonus is not implemented yet",
+    "use_adaptive_entropy": "the adaptive entropy controller is not implemented yet (a fixed entropy_coef is)",
     "deepspeed": "grpo-lab takes DeepSpeed from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
     "fsdp": "grpo-lab takes FSDP from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
     "torch_compile": "torch.compile is not supported by the GRPO loop",
@@ -661,7 +660,8 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
         vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
         vespo_lambda_neg=args.vespo_lambda_neg, entropies=entropies, top_entropy_quantile=args.top_entropy_quantile,
         gathered_entropies=gathered, off_policy_mask_threshold=args.off_policy_mask_threshold,
-        sampling_per_token_logps=mb.old_logps, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        sampling_per_token_logps=mb.old_logps, entropy_coef=args.entropy_coef or None,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         num_processes=acc.num_processes, steps_per_generation=self.plan.steps_per_generation)
     return loss, self._gather_stats(stats)
 

@@ -19,15 +19,15 @@ from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
 from .advantages import SCALE_REWARDS, compute_advantages, group_statistics, sum_rewards
-from .batching import BatchConfigError, BatchPlan, describe_error, plan_batches, plot_generation_batch
+from .batching import OPTIONAL_COUNTS, BatchConfigError, BatchPlan, describe_error, plan_batches, plot_generation_batch
 from .loss import LOSS_TYPES, grpo_loss
 
 # %% auto 0
-__all__ = ['DASHBOARD_METRICS', 'in_notebook', 'figure_png', 'picture', 'fmt', 'html_table', 'text_table', 'Explorer',
-           'plan_or_error', 'plan_tables', 'generation_batch_png', 'change_label', 'plan_html', 'error_html',
-           'BatchExplorer', 'loss_weights', 'group_advantages', 'loss_notes', 'loss_weights_png', 'parse_numbers',
-           'NormalizationExplorer', 'parse_reward_table', 'advantage_table', 'advantage_rows', 'advantages_png',
-           'AdvantageExplorer', 'curves_png', 'samples_html', 'TrainingDashboard']
+__all__ = ['CLASSIC_LOSS_TYPES', 'DASHBOARD_METRICS', 'in_notebook', 'figure_png', 'picture', 'fmt', 'html_table', 'text_table',
+           'widget_view', 'Explorer', 'plan_or_error', 'plan_tables', 'generation_batch_png', 'change_label',
+           'plan_html', 'error_html', 'BatchExplorer', 'loss_weights', 'group_advantages', 'loss_notes',
+           'loss_weights_png', 'parse_numbers', 'NormalizationExplorer', 'parse_reward_table', 'advantage_table',
+           'advantage_rows', 'advantages_png', 'AdvantageExplorer', 'curves_png', 'samples_html', 'TrainingDashboard']
 
 # %% ../nbs/07_widgets.ipynb
 def in_notebook() -> bool:
@@ -75,6 +75,12 @@ def text_table(header: list, rows: list[list], left: int = 1) -> str:
                      for line in lines)
 
 # %% ../nbs/07_widgets.ipynb
+def widget_view(widget: widgets.Widget) -> dict:
+    "The mime entry a Jupyter front end draws `widget` from (the same in ipywidgets 7.7, Colab's, and 8)."
+    return {"application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                         "model_id": widget.model_id}}
+
+
 class Explorer:
     "Base of the widgets here: a `widget` to draw, and `text()`, the same state in words."
     widget: widgets.Widget
@@ -91,7 +97,7 @@ class Explorer:
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         bundle = {"text/plain": self.text()}
         if in_notebook():
-            bundle |= {k: v for k, v in self.widget._repr_mimebundle_().items() if k != "text/plain"}
+            bundle |= widget_view(self.widget)
         return bundle
 
 # %% ../nbs/07_widgets.ipynb
@@ -107,7 +113,7 @@ _BATCH_CONTROLS = {     # plan_batches argument: (label, starting value)
     "generation_batch_size": ("generation_batch_size (0 = auto)", None),
     "max_steps": ("max_steps (0 = from epochs)", None),
 }
-_ZERO_IS_UNSET = ("dataset_size", "steps_per_generation", "generation_batch_size", "max_steps")
+
 
 # %% ../nbs/07_widgets.ipynb
 def plan_or_error(**values) -> BatchPlan | BatchConfigError:
@@ -167,10 +173,10 @@ def error_html(err: BatchConfigError) -> str:
 # %% ../nbs/07_widgets.ipynb
 def _check_count(name: str, value):
     "A starting value for an integer control: a whole number, or None for the optional counts."
-    if value is None and name in _ZERO_IS_UNSET:
+    if value is None and name in OPTIONAL_COUNTS:
         return 0
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}={value!r} must be a whole number" + (" or None." if name in _ZERO_IS_UNSET else "."))
+        raise TypeError(f"{name}={value!r} must be a whole number" + (" or None." if name in OPTIONAL_COUNTS else "."))
     return int(value)
 
 
@@ -198,7 +204,7 @@ class BatchExplorer(Explorer):
     @property
     def arguments(self) -> dict:
         "The controls as `plan_batches` arguments (0 in an optional count is None)."
-        return {name: None if name in _ZERO_IS_UNSET and c.value == 0 else c.value for name, c in self.controls.items()}
+        return {name: None if name in OPTIONAL_COUNTS and c.value == 0 else c.value for name, c in self.controls.items()}
 
     def apply(self, change: dict):
         "Set the controls named in `change` (one suggested fix; None unsets an optional count), then refresh once."
@@ -254,9 +260,12 @@ def _check_group(lengths: list, advantages: list, ratio: float, max_completion_l
                          f"({int(max(lengths))} tokens): it is the generation limit, so >= every length.")
 
 
+CLASSIC_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the normalizations; LOSS_TYPES has TRL's whole family
+
+
 def loss_weights(lengths: list[int], advantages: list[float], beta: float = 0.0, epsilon_low: float = 0.2,
                  epsilon_high: float = 0.2, ratio: float = 1.0, ref_log_ratio: float = -0.3,
-                 max_completion_length: int | None = None) -> dict[str, dict]:
+                 max_completion_length: int | None = None, loss_types=CLASSIC_LOSS_TYPES) -> dict[str, dict]:
     "Per loss type: each completion's weight per token and in all (-d loss / d logp), the loss and the gradient norm."
     _check_group(lengths, advantages, ratio, max_completion_length)
     mask = (torch.arange(int(max(lengths))) < torch.tensor(lengths)[:, None]).float()        # (B, T)
@@ -264,7 +273,7 @@ def loss_weights(lengths: list[int], advantages: list[float], beta: float = 0.0,
     old = None if ratio == 1 else torch.full(mask.shape, -math.log(ratio))                   # None: old = current
     ref = torch.full(mask.shape, float(ref_log_ratio))
     result = {}
-    for loss_type in LOSS_TYPES:
+    for loss_type in loss_types:
         loss, _ = grpo_loss(logps, old, torch.tensor(advantages, dtype=torch.float32), mask, ref_per_token_logps=ref,
                             beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
                             max_completion_length=max_completion_length or mask.shape[1], num_items_in_batch=mask.sum())
@@ -285,13 +294,13 @@ def loss_notes(lengths: list[int], advantages: list[float], result: dict, beta: 
     notes, wrong = [], [i for i, a in enumerate(advantages) if a < 0]
     short, long = min(wrong, key=lengths.__getitem__, default=None), max(wrong, key=lengths.__getitem__, default=None)
     if wrong and lengths[long] > lengths[short]:
-        for loss_type in LOSS_TYPES:
+        for loss_type in result:
             w = result[loss_type]["token_weights"]
             times = f"{w[short] / w[long]:.3g}x as much" if w[long] else "while the long one gets nothing"
             notes.append(f"{loss_type}: a token of the {lengths[short]}-token wrong answer is pushed {w[short]:+.3g}, "
                          f"of the {lengths[long]}-token one {w[long]:+.3g} ({times}).")
-    grpo = result["grpo"]
-    if beta == 0 and ratio == 1 and abs(grpo["loss"]) < 1e-6 and grpo["grad_norm"] > 1e-6:
+    grpo = result.get("grpo")
+    if grpo and beta == 0 and ratio == 1 and abs(grpo["loss"]) < 1e-6 and grpo["grad_norm"] > 1e-6:
         notes.append(f"grpo: the loss is {fmt(grpo['loss'])} but the gradient norm is {grpo['grad_norm']:.3g}. With "
                      "one pass (ratio 1) and beta 0 the loss value is -mean(A) = 0 for a centred group; the gradient "
                      "is the policy gradient all the same.")
@@ -302,9 +311,10 @@ def loss_weights_png(lengths: list[int], advantages: list[float], result: dict) 
     "Bar charts of `loss_weights`' result: weight per token, weight per completion, loss and gradient norm."
     fig = Figure(figsize=(10, 2.6), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[2, 2, 1.4])
-    names, width = [f"{n} tok\nA={a:+.2f}" for n, a in zip(lengths, advantages)], 0.8 / len(LOSS_TYPES)
-    for k, loss_type in enumerate(LOSS_TYPES):
-        offset = [i + width * (k - (len(LOSS_TYPES) - 1) / 2) for i in range(len(lengths))]
+    types = list(result)
+    names, width = [f"{n} tok\nA={a:+.2f}" for n, a in zip(lengths, advantages)], 0.8 / len(types)
+    for k, loss_type in enumerate(types):
+        offset = [i + width * (k - (len(types) - 1) / 2) for i in range(len(lengths))]
         axes[0].bar(offset, result[loss_type]["token_weights"], width, label=loss_type)
         axes[1].bar(offset, result[loss_type]["completion_weights"], width)
         axes[2].bar([k - 0.2, k + 0.2], [result[loss_type]["loss"], result[loss_type]["grad_norm"]], 0.4,
@@ -315,7 +325,7 @@ def loss_weights_png(lengths: list[int], advantages: list[float], result: dict) 
         ax.tick_params(labelsize=7)
     for ax in axes[:2]:
         ax.set_xticks(range(len(lengths)), names)
-    axes[2].set_xticks(range(len(LOSS_TYPES)), LOSS_TYPES)
+    axes[2].set_xticks(range(len(types)), types, rotation=30 if len(types) > 4 else 0)
     axes[0].legend(fontsize=7)
     return figure_png(fig)
 
@@ -350,7 +360,7 @@ def _slider(value: float, low: float, high: float, step: float, label: str) -> w
 
 
 class NormalizationExplorer(Explorer):
-    "Edit one group (lengths, rewards or advantages), beta and clipping; see each token's weight under the four loss types."
+    "Edit one group (lengths, rewards or advantages), beta and clipping; see each token's weight under each loss type (the four normalizations by default, any of TRL's family on request)."
     compute = staticmethod(loss_weights)
 
     def __init__(self, lengths="2, 4, 8, 16", values="1, 0, 1, 0", values_are: str = "rewards", beta: float = 0.0,
@@ -365,10 +375,13 @@ class NormalizationExplorer(Explorer):
         self.epsilon_low, self.epsilon_high = (_slider(epsilon_low, 0, 0.5, 0.01, "epsilon_low"),
                                                _slider(epsilon_high, 0, 0.5, 0.01, "epsilon_high"))
         self.ref_log_ratio = _slider(ref_log_ratio, -1, 1, 0.05, "log π_ref − log π")
+        self.loss_types = widgets.SelectMultiple(options=LOSS_TYPES, value=CLASSIC_LOSS_TYPES, rows=4,
+                                                 description="loss types", style={"description_width": "160px"},
+                                                 layout=widgets.Layout(width="410px"))
         self.max_completion_length = widgets.IntText(max_completion_length, description="max_completion_length",
                                                      style={"description_width": "160px"}, layout=widgets.Layout(width="280px"))
         controls = [self.lengths, self.values, self.values_are, self.beta, self.epsilon_low, self.epsilon_high,
-                    self.ratio, self.ref_log_ratio, self.max_completion_length]
+                    self.ratio, self.ref_log_ratio, self.max_completion_length, self.loss_types]
         self.summary, self.picture = widgets.HTML(), picture()
         self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 420px)")),
                                     self.summary, self.picture])
@@ -381,7 +394,8 @@ class NormalizationExplorer(Explorer):
         "The sliders' values as keyword arguments of `loss_weights`."
         return dict(beta=self.beta.value, epsilon_low=self.epsilon_low.value, epsilon_high=self.epsilon_high.value,
                     ratio=self.ratio.value, ref_log_ratio=self.ref_log_ratio.value,
-                    max_completion_length=self.max_completion_length.value or None)
+                    max_completion_length=self.max_completion_length.value or None,
+                    loss_types=tuple(self.loss_types.value) or CLASSIC_LOSS_TYPES)
 
     def refresh(self, change=None):
         "Parse the group, recompute `state` and redraw; a bad input is shown in words."
@@ -416,7 +430,7 @@ class NormalizationExplorer(Explorer):
         if isinstance(self.state, ValueError):
             return f"NormalizationExplorer: {self.state}"
         head = (f"lengths {self.group_lengths}, advantages [{', '.join(f'{a:+.3g}' for a in self.advantages)}], "
-                + ", ".join(f"{k} {fmt(v)}" for k, v in self.parameters.items()))
+                + ", ".join(f"{k} {fmt(v)}" for k, v in self.parameters.items() if k != "loss_types"))
         return "\n".join([head, text_table(self._header(), self._rows()), *self.notes()])
 
 # %% ../nbs/07_widgets.ipynb

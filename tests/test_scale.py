@@ -158,6 +158,8 @@ def test_the_exported_launch_script_trains_on_two_cpu_processes(tmp_path):
 
 WEIGHTS_SCRIPT = textwrap.dedent("""
     import hashlib, json, sys
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from transformers import TrainerCallback
     from grpo_lab.data import arithmetic_task
     from grpo_lab.models import tiny_model_path
     from grpo_lab.rewards import exact_answer
@@ -167,23 +169,41 @@ WEIGHTS_SCRIPT = textwrap.dedent("""
         model = trainer.accelerator.unwrap_model(trainer.model)
         return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 
+    counts = {"allreduce_rounds": 0, "optimizer_steps": 0}
+
+    def counting_allreduce(state, bucket):
+        "DDP's own all-reduce, counting one round per backward that synchronises (bucket 0 opens a round)."
+        counts["allreduce_rounds"] += bucket.index() == 0
+        return allreduce_hook(state, bucket)
+
+    class KeepCompletions(TrainerCallback):
+        completions = []
+        def on_log(self, args, state, control, logs=None, completions=None, **kwargs):
+            KeepCompletions.completions = completions or KeepCompletions.completions
+
     out = sys.argv[1]
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
                       max_steps=3, beta=0.04, learning_rate=1e-3, max_prompt_length=32, max_completion_length=6,
-                      lr_scheduler_type="constant", logging_steps=1, save_steps=100, disable_tqdm=True)
+                      lr_scheduler_type="constant", logging_steps=1, save_strategy="no", disable_tqdm=True)
     trainer = GRPOTrainer(str(tiny_model_path()), exact_answer, args=args, train_dataset=arithmetic_task(64, seed=3))
+    trainer.model.register_comm_hook(None, counting_allreduce)
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda *a, **k: (counts.__setitem__("optimizer_steps", counts["optimizer_steps"] + 1), step(*a, **k))[1]
     before = weights_hash(trainer)
     trainer.train()
     acc = trainer.accelerator
     # a group straddling both processes, and an epoch ending inside an accumulation
     edge = GRPOConfig(output_dir=out + "/edge", per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       steps_per_generation=3, num_generations=8, num_train_epochs=2, learning_rate=1e-3,
-                      max_prompt_length=32, max_completion_length=6, num_completions_to_print=12, disable_tqdm=True)
-    trainer2 = GRPOTrainer(str(tiny_model_path()), exact_answer, args=edge, train_dataset=arithmetic_task(3, seed=5))
+                      max_prompt_length=32, max_completion_length=6, disable_tqdm=True, gradient_checkpointing=False,
+                      save_strategy="no")
+    trainer2 = GRPOTrainer(str(tiny_model_path()), exact_answer, args=edge, train_dataset=arithmetic_task(3, seed=5),
+                           callbacks=[KeepCompletions()])
     trainer2.train()
-    json.dump({"world": acc.num_processes, "before": before, "after": weights_hash(trainer),
+    json.dump({"world": acc.num_processes, "before": before, "after": weights_hash(trainer), **counts,
+               "steps": trainer.state.global_step, "micro_steps": trainer.plan.steps_per_generation * 3,
                "unique_prompts": trainer.plan.unique_prompts_per_generation, "edge_steps": trainer2.state.global_step,
-               "edge_after": weights_hash(trainer2), "edge_samples": trainer2.samples},
+               "edge_after": weights_hash(trainer2), "edge_samples": KeepCompletions.completions},
               open(f"{out}/rank{acc.process_index}.json", "w"))
 """)
 
@@ -201,6 +221,9 @@ def test_both_processes_end_with_identical_weights(tmp_path):
     assert ranks[0]["unique_prompts"] == 2          # 4 completions x 2 processes x 2 accumulation steps / 8
     assert ranks[0]["before"] == ranks[1]["before"] and ranks[0]["after"] != ranks[0]["before"]
     assert ranks[0]["after"] == ranks[1]["after"]
+    # gradient accumulation under Accelerate: 6 micro-steps, but one all-reduce and one optimizer step per step
+    assert [(x["allreduce_rounds"], x["optimizer_steps"]) for x in ranks] == [(3, 3), (3, 3)]
+    assert ranks[0]["micro_steps"] == 6
     # partial accumulation at each epoch's end still synchronises gradients
     assert ranks[0]["edge_steps"] == 4 and ranks[0]["edge_after"] == ranks[1]["edge_after"]
     # the prompt shared by both processes gets different completions on each (per-process sampling seeds)

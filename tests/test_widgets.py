@@ -1,13 +1,17 @@
 """The widgets driven as a learner would, without a browser: set control values, click buttons, read what they show."""
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from grpo_lab import widgets
 from grpo_lab.batching import BatchConfigError, BatchPlan
-from grpo_lab.widgets import AdvantageExplorer, BatchExplorer, Dashboard, NormalizationExplorer
+from grpo_lab.widgets import AdvantageExplorer, BatchExplorer, NormalizationExplorer, TrainingDashboard
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PNG = b"\x89PNG"
 
@@ -125,27 +129,27 @@ def test_advantage_explorer_reacts_to_edits():
     assert isinstance(ax.state, ValueError) and "groups of sizes [1, 2]" in ax.summary.value
 
 
-class FakeTrainer:
-    "The attributes the dashboard reads from a GRPOTrainer."
-    def __init__(self):
-        self.history, self.plan = [], None
-        self.samples = [{"prompt": "12+7=", "completion": "<answer>19</answer>", "reward": 1.0},
-                        {"prompt": "12+7=", "completion": "18", "reward": 0.0}]
+SAMPLES = [{"prompt": "12+7=", "completion": "<answer>19</answer>", "reward": 1.0},
+           {"prompt": "12+7=", "completion": "18", "reward": 0.0}]
 
 
-def feed(dash, trainer, steps=3):
-    dash.on_train_begin(trainer)
+def feed(dash, steps=3):
+    "What a GRPOTrainer sends a callback: HF's (args, state, control) and, on on_log, the step's completions."
+    from transformers import TrainerControl, TrainerState
+    state, control = TrainerState(max_steps=steps), TrainerControl()
+    dash.on_train_begin(None, state, control)
     for step in range(1, steps + 1):
-        logs = {"step": step, "epoch": step / 10, "loss": 0.0, "reward": 0.1 * step, "rewards/exact/mean": 0.1 * step,
+        state.global_step = step
+        logs = {"epoch": step / 10, "loss": 0.0, "reward": 0.1 * step, "rewards/exact/mean": 0.1 * step,
                 "kl": 0.01 * step, "completions/mean_length": 5.0, "clip_ratio/region_mean": 0.0, "grad_norm": 1.0}
-        dash.on_log(trainer, logs)
-        trainer.history.append(logs)
-    dash.on_train_end(trainer)
+        dash.on_log(None, state, control, logs=logs, completions=SAMPLES)
+        state.log_history.append({**logs, "step": step})
+    dash.on_train_end(None, state, control)
 
 
 def test_dashboard_outside_a_notebook_records_and_prints_nothing(capsys):
-    dash = Dashboard()
-    feed(dash, FakeTrainer())
+    dash = TrainingDashboard()
+    feed(dash)
     assert capsys.readouterr() == ("", "")
     assert dash.curves["reward"] == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3))]
     assert set(dash.curves) == {"loss", "reward", "rewards/exact/mean", "kl", "completions/mean_length",
@@ -159,8 +163,8 @@ def test_dashboard_in_a_notebook_draws_curves_and_samples(monkeypatch):
     monkeypatch.setattr(widgets, "in_notebook", lambda: True)
     shown = []
     monkeypatch.setattr(widgets, "display", shown.append)
-    dash = Dashboard(min_interval=0)
-    feed(dash, FakeTrainer())
+    dash = TrainingDashboard(min_interval=0)
+    feed(dash)
     assert shown == [dash]                                                  # shown once, at on_train_begin
     assert bytes(dash.picture.value).startswith(PNG)
     assert "&lt;answer&gt;19&lt;/answer&gt;" in dash.table.value and "step 3" in dash.title.value
@@ -183,17 +187,38 @@ def test_importing_the_explorers_does_not_import_the_trainer():
 
 
 def test_training_dashboard_is_a_trainer_callback_in_a_real_run(tmp_path):
+    from transformers import TrainerCallback
     from grpo_lab.data import arithmetic_task
     from grpo_lab.models import tiny_model_path
     from grpo_lab.rewards import exact_answer
-    from grpo_lab.trainer import GRPOConfig, GRPOTrainer, TrainerCallback
-    from grpo_lab.widgets import TrainingDashboard
+    from grpo_lab.trainer import GRPOConfig, GRPOTrainer
     dashboard = TrainingDashboard()
-    assert isinstance(dashboard, TrainerCallback) and isinstance(dashboard, Dashboard)
+    assert isinstance(dashboard, TrainerCallback)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, beta=0.04,
-                      max_completion_length=4, max_steps=2, logging_steps=1, disable_tqdm=True)
+                      max_completion_length=4, max_steps=2, logging_steps=1, disable_tqdm=True,
+                      gradient_checkpointing=False, save_strategy="no")
     trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(16),
                           callbacks=[dashboard])
     trainer.train()
     assert [step for step, _ in dashboard.curves["reward"]] == [1, 2] and len(dashboard.curves["kl"]) == 2
-    assert dashboard.samples == trainer.samples and dashboard.total_steps == 2
+    assert len(dashboard.samples) == 8 and dashboard.total_steps == 2
+
+
+IPYWIDGETS_7 = ROOT / ".cache" / "ipywidgets-7.7.1"
+
+
+def test_the_widgets_work_under_colabs_ipywidgets_7(tmp_path):
+    "Colab ships ipywidgets 7.7.1: the same tests pass with it first on the path (installed once, without dependencies)."
+    if not (IPYWIDGETS_7 / "ipywidgets").exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(IPYWIDGETS_7),
+                            "ipywidgets==7.7.1", "widgetsnbextension~=3.6.0", "jupyterlab_widgets>=1.0.0,<3",
+                            "ipython_genutils"], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"could not install ipywidgets 7.7.1 from the package registry: {r.stderr[-300:]}")
+    env = {**os.environ, "PYTHONPATH": str(IPYWIDGETS_7), "MPLBACKEND": "Agg"}
+    check = subprocess.run([sys.executable, "-c", "import ipywidgets; print(ipywidgets.__version__)"], env=env,
+                           capture_output=True, text=True)
+    assert check.stdout.strip() == "7.7.1"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "not ipywidgets_7"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
