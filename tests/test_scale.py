@@ -253,9 +253,9 @@ def test_the_run_yaml_is_read_once(tmp_path, monkeypatch):
 def test_options_convert_as_trl_does_and_bad_values_are_named(tmp_path):
     from grpo_lab.scale import read_run
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(TINY.read_text() + "warmup_ratio: 1e-1\n")
+    cfg.write_text(TINY.read_text() + "warmup_steps: 1e-1\n")
     run = read_run(cfg, {"learning_rate": "1e-5", "max_steps": "7", "bf16": "false"})
-    assert (run["warmup_ratio"], run["learning_rate"], run["max_steps"], run["bf16"]) == (0.1, 1e-5, 7, False)
+    assert (run["warmup_steps"], run["learning_rate"], run["max_steps"], run["bf16"]) == (0.1, 1e-5, 7, False)
     with pytest.raises(ValueError, match="on the command line is not a whole number") as e:
         read_run(cfg, {"max_steps": "x" * 10**6})
     assert str(e.value).startswith("max_steps='xxx") and len(str(e.value)) < 300

@@ -1,0 +1,168 @@
+"""Run a notebook as nbdev_test does, and store or check the outputs of its teaching cells.
+
+The notebooks are stored with their outputs (GitHub and the docs site show them). Each test run executes every
+notebook again and compares what each cell prints or returns now with what is stored, so a stored output cannot
+go stale: change the code and the test names the cell whose output changed.
+
+    python tests/notebook_runner.py --store nbs/03_loss.ipynb     # execute and store the outputs
+    python tests/notebook_runner.py --check nbs/03_loss.ipynb     # execute and compare (what the tests do)
+
+Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run (their stored outputs, if any, stay).
+Cells whose output differs from run to run (timings, memory, temporary paths) carry `#| volatile`: they run, their
+output is stored, and only its kind is compared. Error output (warnings, progress bars) is never stored.
+"""
+import argparse
+import base64
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_FLAGS = {"slow", "gpu", "hub"}
+MAX_TEXT = 4000              # characters kept of one text output
+MAX_NOTEBOOK_BYTES = 1_500_000
+
+
+def directives(source: str) -> dict:
+    "The `#| name: value` lines at the top of a cell."
+    out = {}
+    for line in source.splitlines():
+        if not line.startswith("#|"):
+            break
+        name, _, value = line[2:].strip().partition(" ")
+        out[name.rstrip(":")] = value.strip()
+    return out
+
+
+def skipped(cell: dict) -> bool:
+    d = directives("".join(cell["source"]))
+    return bool(SKIP_FLAGS & d.keys()) or d.get("eval", "").lower() == "false"
+
+
+def _shrink_png(data: str) -> str:
+    "Re-encode a PNG at most 700 px wide with a small palette when that makes it smaller (outputs stay small)."
+    from PIL import Image
+    img = Image.open(io.BytesIO(base64.b64decode(data)))
+    if img.width > 700:
+        img = img.resize((700, round(img.height * 700 / img.width)))
+    buf = io.BytesIO()
+    img.convert("RGB").quantize(colors=64).save(buf, format="PNG", optimize=True)
+    small = base64.b64encode(buf.getvalue()).decode()
+    return small if len(small) < len(data) else data
+
+
+def clean_outputs(outputs: list) -> list:
+    "Keep what a reader needs: no stderr, text cut to MAX_TEXT characters, images compressed, no widget state."
+    kept = []
+    for out in outputs:
+        out = dict(out)
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            continue
+        if out.get("output_type") == "stream":
+            text = "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
+            out["text"] = text[:MAX_TEXT]
+        if "data" in out:
+            data = {k: v for k, v in out["data"].items() if not k.startswith("application/vnd.jupyter.widget")}
+            for k, v in data.items():
+                text = "".join(v) if isinstance(v, list) else v
+                data[k] = _shrink_png(text) if k == "image/png" else text[:MAX_TEXT] if k.startswith("text/") else v
+            out["data"] = data
+            out["metadata"] = {}
+            if out["output_type"] == "execute_result":
+                out["execution_count"] = None
+        kept.append(out)
+    return kept
+
+
+_NOISE = [(re.compile(r"0x[0-9a-f]{6,}"), "0x…"), (re.compile(r"/tmp/[\w./-]+"), "/tmp/…")]
+
+
+def signature(outputs: list) -> list:
+    "What is compared: the kind of each output and its text (addresses and temporary paths masked)."
+    sig = []
+    for out in outputs:
+        kind = out["output_type"]
+        if kind == "stream":
+            text = out["text"]
+        elif "data" in out:
+            text = out["data"].get("text/plain", "")
+            kind += "+image" if "image/png" in out["data"] else ""
+        else:
+            text = out.get("ename", "")
+        text = "".join(text) if isinstance(text, list) else text
+        for pattern, mask in _NOISE:
+            text = pattern.sub(mask, text)
+        sig.append((kind, text.strip()))
+    return sig
+
+
+def execute(path: Path) -> dict:
+    "Execute the notebook at `path` as nbdev_test would; return its JSON with fresh outputs on the cells that ran."
+    from execnb.nbio import dict2nb
+    from execnb.shell import CaptureShell
+    raw = json.loads(path.read_text())
+    nb = dict2nb(json.loads(path.read_text()))
+    os.environ["IN_TEST"] = "1"
+    shell = CaptureShell(path)
+    ran = set()
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        for i, (cell, raw_cell) in enumerate(zip(nb.cells, raw["cells"])):
+            if cell.cell_type != "code" or skipped(raw_cell):
+                continue
+            shell.cell(cell)
+            if shell.exc:
+                raise RuntimeError(f"{path.name}, cell {i}:\n{''.join(raw_cell['source'])[:500]}\n\n"
+                                   f"{shell.prettytb(fname=path)}")
+            raw_cell["outputs"] = clean_outputs([dict(o) for o in cell.get("outputs", [])])
+            ran.add(i)
+    finally:
+        os.chdir(cwd)
+    return raw, ran
+
+
+def store(path: Path) -> None:
+    "Execute twice, store the outputs, and mark `#| volatile` the cells whose output differs between the runs."
+    first, _ = execute(path)
+    second, ran = execute(path)
+    for i in ran:
+        a, b = first["cells"][i], second["cells"][i]
+        if signature(a["outputs"]) != signature(b["outputs"]) and "volatile" not in directives("".join(b["source"])):
+            b["source"] = ["#| volatile\n"] + b["source"]
+    path.write_text(json.dumps(second, indent=1, ensure_ascii=False) + "\n")
+
+
+def check(path: Path) -> list[str]:
+    "Execute and compare with the stored outputs; return a description of each stale cell."
+    stored = json.loads(path.read_text())
+    fresh, ran = execute(path)
+    stale = []
+    for i in sorted(ran):
+        old, new = stored["cells"][i], fresh["cells"][i]
+        volatile = "volatile" in directives("".join(old["source"]))
+        a, b = signature(old["outputs"]), signature(new["outputs"])
+        if volatile:
+            a, b = [k for k, _ in a], [k for k, _ in b]
+        if a != b:
+            stale.append(f"cell {i} ({''.join(old['source'])[:80]!r}): stored {str(a)[:300]} but now {str(b)[:300]}")
+    return stale
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    a = parser.parse_args()
+    for nb_path in a.notebooks:
+        if a.store:
+            store(nb_path.resolve())
+            print(f"stored {nb_path} ({nb_path.stat().st_size / 1e3:.0f} kB)")
+        else:
+            problems = check(nb_path.resolve())
+            print(f"{nb_path}: " + ("up to date" if not problems else "\n  ".join(["STALE", *problems])))
+            sys.exit(1 if problems else 0)
