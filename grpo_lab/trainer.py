@@ -30,7 +30,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .advantages import compute_advantages
 from .batching import BatchPlan, plan_for, short_repr
-from .data import is_conversational, load_prompts, render_prompt
+from .data import is_conversational, load_prompts, prompt_token_lengths, render_prompt
 from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, load_policy, make_reference, reference_logps
 from .rewards import RewardFunctionError, RewardLogs, as_reward_function, reward_names, score
@@ -301,11 +301,11 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | Non
     return input_ids, attention_mask, n_truncated
 
 # %% ../nbs/06_trainer.ipynb
-def generation_config(args: GRPOConfig, tokenizer, eos_ids: list[int]) -> GenerationConfig:
+def generation_config(args: GRPOConfig, tokenizer, eos_ids: list[int], max_new_tokens: int | None = None) -> GenerationConfig:
     "The sampling settings of a GRPO rollout, explicit so that model defaults cannot leak in."
     settings = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                    max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+                    max_new_tokens=max_new_tokens or args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids, use_cache=True,
                     cache_implementation=args.cache_implementation)
     return GenerationConfig(**{**settings, **(args.generation_kwargs or {})})
@@ -412,6 +412,7 @@ class GRPOTrainer:
         model, self.processing_class = self._load_model(model, processing_class, peft_config)
         self.reward_funcs = self._load_rewards(reward_funcs, reward_processing_classes)
         self.eos_ids = eos_token_ids(model, self.processing_class)
+        self.max_new_tokens = self._check_lengths(model)
         self.ref_model = make_reference(model, args.beta)
         self.optimizer, self.lr_scheduler = self._make_optimizer(model, optimizers)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
@@ -516,6 +517,28 @@ def _as_dict(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 # %% ../nbs/06_trainer.ipynb
+@patch
+def _check_lengths(self: GRPOTrainer, model) -> int:
+    "Check the longest prompt against the model's context; return how many tokens a completion may have."
+    args, context = self.args, getattr(model.config, "max_position_embeddings", None)
+    if not context:
+        return args.max_completion_length
+    kwargs = _as_dict(args.chat_template_kwargs)
+    lengths = prompt_token_lengths(self.train_dataset["prompt"], self.processing_class, chat_template_kwargs=kwargs)
+    longest = max(lengths) if args.max_prompt_length is None else min(max(lengths), args.max_prompt_length)
+    if longest >= context:
+        row = lengths.index(max(lengths))
+        raise ValueError(f"prompt {row} has {longest} tokens but the model reads at most {context} positions "
+                         f"(max_position_embeddings), leaving no room for a completion: set max_prompt_length="
+                         f"{max(1, context // 2)} to cut prompts from the left, or drop long prompts from the dataset.")
+    room = context - longest
+    if args.max_completion_length > room:
+        logger.warning("max_completion_length=%d does not fit: the longest prompt has %d tokens and the model reads "
+                       "%d positions, so completions stop after %d tokens; lower max_completion_length to silence this.",
+                       args.max_completion_length, longest, context, room)
+    return min(args.max_completion_length, room)
+
+# %% ../nbs/06_trainer.ipynb
 class _Callbacks(CallbackHandler):
     "transformers' CallbackHandler, passing extra keyword arguments (e.g. `completions`) to `on_log`."
     def on_log(self, args, state, control, logs, **extra):
@@ -564,7 +587,7 @@ def _generate(self: GRPOTrainer, rows: list[dict]):
         logger.warning("%d of %d prompts are longer than max_prompt_length=%d tokens and were cut from the left; "
                        "raise max_prompt_length to keep them whole.", n_cut, len(texts), args.max_prompt_length)
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
-    gen_config = generation_config(args, tok, self.eos_ids)
+    gen_config = generation_config(args, tok, self.eos_ids, self.max_new_tokens)
     c_ids, c_mask, truncated = sample_completions(self.accelerator.unwrap_model(self.model), tok, p_ids, p_mask,
                                                   gen_config, self.eos_ids)
     return texts, p_ids, p_mask, c_ids, c_mask, truncated

@@ -132,3 +132,48 @@ def test_a_fresh_run_in_a_used_folder_starts_a_clean_log(tmp_path):
     small_run(tmp_path, max_steps=1).train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]
+
+
+def test_a_full_disk_while_saving_names_the_cause_and_the_checkpoint_that_survives(tmp_path, monkeypatch):
+    import errno
+    import grpo_lab.trainer as tr
+    trainer = small_run(tmp_path, max_steps=3)
+    real_save, calls = torch.save, []
+
+    def save_until_the_disk_fills(obj, f, *a, **k):
+        calls.append(f)
+        if trainer.state.global_step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(tr.torch, "save", save_until_the_disk_fills)
+    with pytest.raises(OSError, match="checkpoint-2 failed .*the disk is full.* newest complete checkpoint is checkpoint-1"):
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_push_to_hub_uploads_the_model_card_and_weights(tmp_path, monkeypatch):
+    "Against a local stand-in for the Hub's API (tests never reach the network)."
+    import shutil
+    import huggingface_hub
+    uploads = tmp_path / "hub"
+
+    class LocalHub:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            (uploads / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns=()):
+            shutil.copytree(folder_path, uploads / repo_id, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(*ignore_patterns))
+            return f"local://{repo_id}"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", LocalHub)
+    trainer = small_run(tmp_path / "out", max_steps=2, hub_model_id="me/tiny-grpo")
+    trainer.train()
+    assert trainer.push_to_hub() == "local://me/tiny-grpo"
+    pushed = {p.name for p in (uploads / "me" / "tiny-grpo").iterdir()}
+    assert {"model.safetensors", "tokenizer.json", "README.md"} <= pushed and not any(n.startswith("checkpoint") for n in pushed)
+    assert "- grpo" in (uploads / "me" / "tiny-grpo" / "README.md").read_text()

@@ -319,3 +319,17 @@ def test_a_short_demo_run_improves_held_out_accuracy(tmp_path):
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.08, summary
     assert (tmp_path / "demo" / "curves.png").stat().st_size > 1000
     assert json.loads((tmp_path / "demo" / "summary.json").read_text())["steps"] == 50
+
+
+def test_prompts_longer_than_the_models_context_are_refused_before_training(tmp_path):
+    rows = [{"prompt": "1" * 100, "answer": "1"}] + arithmetic_task(15).to_list()
+    with pytest.raises(ValueError, match=r"prompt 0 has 100 tokens but the model reads at most 64 positions"):
+        GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=rows)
+
+
+def test_completions_that_cannot_fit_are_announced_once_and_capped(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+        trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_completion_length=512),
+                              train_dataset=arithmetic_task(16))
+    assert sum("max_completion_length=512 does not fit" in r.message for r in caplog.records) == 1
+    assert trainer.max_new_tokens < 64
