@@ -5,18 +5,28 @@
 # %% ../nbs/01_rewards.ipynb 2
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
+import logging
 import math
 import numbers
+import os
 import re
-import warnings
+import reprlib
+import threading
 from typing import Callable, Sequence
 
 import torch
 
+logger = logging.getLogger("grpo_lab.rewards")
+
 # %% auto 0
-__all__ = ['RewardFunc', 'FORMAT_MODES', 'strict_format', 'soft_format', 'tag_count', 'BUILTIN_REWARDS', 'completion_text',
-           'reward_len', 'exact_answer', 'to_number', 'extract_number', 'numeric_answer', 'format_reward',
-           'RewardFunctionError', 'reward_names', 'score']
+__all__ = ['logger', 'RewardFunc', 'FORMAT_MODES', 'strict_format', 'soft_format', 'tag_count', 'BUILTIN_REWARDS',
+           'REWARD_KWARGS', 'completion_text', 'reward_len', 'exact_answer', 'to_number', 'extract_number',
+           'numeric_answer', 'format_reward', 'reward_names', 'RewardFunctionError', 'reward_arguments',
+           'check_reward_arguments', 'RewardLogs', 'is_async_callable', 'run_concurrently', 'score',
+           'reward_model_text', 'RewardModel', 'load_reward_model', 'as_reward_function']
 
 # %% ../nbs/01_rewards.ipynb
 RewardFunc = Callable[..., Sequence]
@@ -135,17 +145,24 @@ BUILTIN_REWARDS = {f.__name__: f for f in (reward_len, exact_answer, numeric_ans
                                            strict_format, soft_format, tag_count)}
 
 # %% ../nbs/01_rewards.ipynb
-class RewardFunctionError(ValueError):
-    "A reward function raised, or returned something that is not one number (or None) per completion."
+def _model_name(model) -> str:
+    "A reward model's name as TRL logs it: the last `/` part of `config._name_or_path` (the class name if empty)."
+    path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    return path.rstrip("/").split("/")[-1] or type(model).__name__
 
 
 def _func_name(fn) -> str:
-    "A reward function's name: `__name__`, the wrapped function's for a partial, else its class name."
-    inner = getattr(fn, "func", fn)
-    return getattr(inner, "__name__", type(fn).__name__)
+    "A reward function's name: `__name__` (through partials), a callable object's class, a reward model's path."
+    if isinstance(fn, (str, os.PathLike)):
+        return str(fn).rstrip("/").split("/")[-1]
+    if isinstance(fn, torch.nn.Module):
+        return _model_name(fn)
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
-def reward_names(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[str]:
+def reward_names(reward_funcs) -> list[str]:
     "One name per reward function for logs (`rewards/<name>/mean`); repeats get `_2`, `_3`, ..."
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     names, seen = [], {}
@@ -156,26 +173,161 @@ def reward_names(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[str]:
     return names
 
 # %% ../nbs/01_rewards.ipynb
+class RewardFunctionError(ValueError):
+    "A reward function raised, or returned something that is not one number (or None) per completion."
+
+
+REWARD_KWARGS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def _parameters(fn) -> dict | None:
+    "The parameters of `fn`'s signature, or None when Python cannot read one (a builtin): it then gets everything."
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _names_list(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+
+# %% ../nbs/01_rewards.ipynb
+def reward_arguments(fn, available: dict, name: str | None = None) -> tuple[list, dict]:
+    "`(args, kwargs)` to call reward function `fn` with: what its signature names from `available` (all with `**kwargs`)."
+    params = _parameters(fn)
+    if params is None:
+        return [], dict(available)
+    name = name or _func_name(fn)
+    for p in params.values():
+        if p.name not in available and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise RewardFunctionError(
+                f"reward function {name!r} requires an argument {p.name!r}, but the batch has no {p.name!r}. Available: "
+                f"{_names_list(available)}. Add a {p.name!r} column to the dataset, rename the parameter, or give it a "
+                f"default ({p.name}=None).")
+    args, kwargs, positional = [], {}, True
+    for p in params.values():
+        if p.kind is p.POSITIONAL_ONLY:
+            positional = positional and p.name in available
+            if positional:
+                args.append(available[p.name])
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in available:
+            kwargs[p.name] = available[p.name]
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):       # **kwargs: everything not passed by position
+        by_position = [p.name for p in params.values() if p.kind is p.POSITIONAL_ONLY][:len(args)]
+        kwargs = {k: v for k, v in available.items() if k not in by_position}
+    return args, kwargs
+
+# %% ../nbs/01_rewards.ipynb
+def check_reward_arguments(reward_funcs, column_names: Sequence[str], keywords: Sequence[str] = REWARD_KWARGS):
+    "Refuse, before any generation, a reward function that requires an argument the dataset's columns and `keywords` lack."
+    names = {"prompts", "completions", *keywords, *(c for c in column_names if c != "prompt")}
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for fn, name in zip(funcs, reward_names(funcs)):
+        reward_arguments(fn, dict.fromkeys(names), name)
+
+# %% ../nbs/01_rewards.ipynb
+class RewardLogs:
+    "What reward functions log during one batch: `.extra` columns (from `log_extra`) and `.metrics` (from `log_metric`)."
+    def __init__(self):
+        self.extra: dict[str, list] = {}
+        self.metric_values: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values: Sequence) -> None:
+        "Add `values` (one per completion) to the completions-table column `column`."
+        if not isinstance(column, str) or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+            raise TypeError(f"log_extra(column, values) takes a column name (str) and a list with one value per "
+                            f"completion; got {type(column).__name__} and {type(values).__name__}.")
+        self.extra.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        "Record one value of the scalar metric `name`; the batch's values are averaged."
+        if not isinstance(name, str):
+            raise TypeError(f"log_metric(name, value) takes a metric name (str), got {type(name).__name__}.")
+        try:
+            self.metric_values.setdefault(name, []).append(float(value))
+        except (TypeError, ValueError):
+            raise TypeError(f"log_metric({name!r}, value) needs one number, got {type(value).__name__}.") from None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        "Each metric's mean over the values logged in this batch (TRL's per-batch reduction)."
+        return {name: sum(values) / len(values) for name, values in self.metric_values.items()}
+
+# %% ../nbs/01_rewards.ipynb
+def is_async_callable(fn) -> bool:
+    "Whether calling `fn` returns a coroutine: an `async def`, a partial of one, or an object with an `async __call__`."
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _reward_loop() -> asyncio.AbstractEventLoop:
+    "The event loop async reward functions run on: started once, in a daemon thread."
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="grpo-lab-rewards", daemon=True).start()
+    return _loop
+
+
+def run_concurrently(coroutines: Sequence) -> list:
+    "Await `coroutines` together (`asyncio.gather`) on the reward loop and return their results, in order."
+    async def gather():
+        return await asyncio.gather(*coroutines)
+    return asyncio.run_coroutine_threadsafe(gather(), _reward_loop()).result()
+
+# %% ../nbs/01_rewards.ipynb
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _to_reward(value, name: str, index: int) -> float:
-    "One returned value as a float (NaN for None), or a `RewardFunctionError` naming the function and sample."
+    "One returned value as a float (NaN for None), or a `RewardFunctionError` naming the function and completion."
     if getattr(value, "ndim", None) == 0:
         value = value.item()
     if value is None:
         return math.nan
     if not isinstance(value, numbers.Real):
-        raise RewardFunctionError(f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {index}; "
-                                  "a reward must be a float (or None when the function cannot score that completion).")
-    if math.isinf(value):
-        raise RewardFunctionError(f"reward function {name!r} returned {value} for sample {index}; rewards must be finite "
-                                  "(return None for a completion that cannot be scored, or clip the value).")
-    return float(value)
+        raise RewardFunctionError(f"reward function {name!r} returned {reprlib.repr(value)} ({type(value).__name__}) for "
+                                  f"completion {index}; a reward must be a float (or None when the function cannot "
+                                  "score that completion).")
+    value = float(value)
+    if math.isinf(value) or abs(value) > _FLOAT32_MAX:
+        raise RewardFunctionError(f"reward function {name!r} returned {value:g} for completion {index}; rewards must be "
+                                  f"finite float32 numbers (|r| < {_FLOAT32_MAX:.1e}) or training learns nothing from "
+                                  "this batch. Rescale the reward (divide it by a constant: advantages only compare "
+                                  "completions), clip it, or return None for a completion it cannot score.")
+    return value
 
 # %% ../nbs/01_rewards.ipynb
-def _warn_unscored(rewards: torch.Tensor):
-    "Warn when no function scored any completion of the batch `(N, F)` (every value None)."
-    if rewards.numel() and rewards.isnan().all():
-        warnings.warn(f"no reward function scored any of the {rewards.shape[0]} completions (all None), so this batch "
-                      "teaches nothing. If a reward needs a column such as 'answer', check that the dataset has it.")
+def _short(value, limit: int = 200) -> str:
+    "A bounded repr of a user value for a log line."
+    text = reprlib.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _warn_nan(values: torch.Tensor, returned_none: list[bool], name: str):
+    "Warn when reward function `name` returned NaN (not None) for some completions; they count as unscored."
+    nan_rows = [i for i, (v, none) in enumerate(zip(values.tolist(), returned_none)) if math.isnan(v) and not none]
+    if nan_rows:
+        logger.warning("reward function %r returned NaN for %d of %d completions (first: completion %d); they count as "
+                       "unscored (None). Return None on purpose, or fix the computation that gives NaN (a 0/0?).",
+                       name, len(nan_rows), len(values), nan_rows[0])
+
+
+def _warn_unscored(rewards: torch.Tensor, prompts: Sequence, completions: Sequence):
+    "Warn (logging) when some completions of the batch `(N, F)` were scored by no function, showing the first."
+    rows = rewards.isnan().all(dim=1).nonzero().flatten().tolist() if rewards.shape[1] else []
+    if rows:
+        logger.warning("no reward function scored %d of the %d completions (first: completion %d, prompt %s, "
+                       "completion %s); they get advantage 0. If a reward needs a column such as 'answer', check that "
+                       "the dataset has it; make sure at least one reward function returns a value.", len(rows),
+                       len(rewards), rows[0], _short(prompts[rows[0]]), _short(completions[rows[0]]))
 
 # %% ../nbs/01_rewards.ipynb
 def _as_values(values, name: str, n: int) -> list:
@@ -183,11 +335,20 @@ def _as_values(values, name: str, n: int) -> list:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if isinstance(values, (str, dict)) or not hasattr(values, "__len__"):
-        raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion, got {values!r:.60}.")
+        raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion, "
+                                  f"got {_short(values, 60)}.")
     if len(values) != n:
         raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion: "
                                   f"expected {n}, got {len(values)}.")
     return list(values)
+
+
+def _column(values, name: str, n: int) -> torch.Tensor:
+    "One function's output as a float32 column `(n,)`, checked value by value (NaN warned about, None = NaN)."
+    values = _as_values(values, name, n)
+    column = torch.tensor([_to_reward(v, name, i) for i, v in enumerate(values)], dtype=torch.float32)
+    _warn_nan(column, [v is None for v in values], name)
+    return column
 
 # %% ../nbs/01_rewards.ipynb
 def _as_columns(n: int, prompts: Sequence, columns: dict) -> dict:
@@ -201,19 +362,137 @@ def _as_columns(n: int, prompts: Sequence, columns: dict) -> dict:
     return {key: list(values) for key, values in columns.items()}
 
 
-def score(reward_funcs: RewardFunc | Sequence[RewardFunc], prompts: Sequence, completions: Sequence,
-          **columns) -> torch.Tensor:
+def _check_rows(prompts: Sequence, completions: Sequence):
+    "Every prompt and completion is text or a list of messages; the first that is not is named with its row."
+    for kind, items in (("prompt", prompts), ("completion", completions)):
+        for i, item in enumerate(items):
+            if not (isinstance(item, str) or (isinstance(item, (list, tuple)) and all(isinstance(m, dict) for m in item))):
+                raise ValueError(f"{kind} {i} is {_short(item, 80)} ({type(item).__name__}); each {kind} must be a string "
+                                 "or a list of {'role', 'content'} messages.")
+
+# %% ../nbs/01_rewards.ipynb
+def _raised(name: str, e: Exception) -> RewardFunctionError:
+    return RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}. Fix the function and run "
+                               "again; a training run can be resumed from its last checkpoint.")
+
+
+def _call(fn, name: str, args: list, kwargs: dict):
+    "Call a synchronous reward function; its errors come back as a `RewardFunctionError` naming it."
+    try:
+        values = fn(*args, **kwargs)
+        return run_concurrently([values])[0] if inspect.isawaitable(values) else values
+    except RewardFunctionError:
+        raise
+    except Exception as e:
+        raise _raised(name, e) from e
+
+
+async def _call_async(fn, name: str, args: list, kwargs: dict):
+    "Await an async reward function; its errors come back as a `RewardFunctionError` naming it."
+    try:
+        return await fn(*args, **kwargs)
+    except Exception as e:
+        raise _raised(name, e) from e
+
+# %% ../nbs/01_rewards.ipynb
+def score(reward_funcs, prompts: Sequence, completions: Sequence, *, completion_ids=None, trainer_state=None,
+          log_extra=None, log_metric=None, **columns) -> torch.Tensor:
     "Rewards `(N, F)` float32 of `F` reward functions for `N` completions; NaN where a function returned None."
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     n = len(completions)
-    columns = _as_columns(n, prompts, columns)
+    given = {"completion_ids": completion_ids, "trainer_state": trainer_state, "log_extra": log_extra,
+             "log_metric": log_metric}
+    columns = _as_columns(n, prompts, {**columns, **({"completion_ids": completion_ids} if completion_ids is not None else {})})
+    _check_rows(prompts, completions)
+    available = {"prompts": list(prompts), "completions": list(completions),
+                 **{k: v for k, v in given.items() if v is not None}, **columns}
+    names = reward_names(funcs)
+    calls = [(fn, name, *reward_arguments(fn, available, name)) for fn, name in zip(funcs, names)]   # all checked first
     rewards = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
-    for j, (fn, name) in enumerate(zip(funcs, reward_names(funcs))):
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as e:
-            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}. Fix the function and "
-                                      "run again; a training run can be resumed from its last checkpoint.") from e
-        rewards[:, j] = torch.tensor([_to_reward(v, name, i) for i, v in enumerate(_as_values(values, name, n))])
-    _warn_unscored(rewards)
+    for j, (fn, name, args, kwargs) in enumerate(calls):
+        if not is_async_callable(fn):
+            rewards[:, j] = _column(_call(fn, name, args, kwargs), name, n)
+    waiting = [j for j, (fn, *_) in enumerate(calls) if is_async_callable(fn)]
+    results = run_concurrently([_call_async(*calls[j]) for j in waiting]) if waiting else []
+    for j, values in zip(waiting, results):
+        rewards[:, j] = _column(values, names[j], n)
+    _warn_unscored(rewards, prompts, completions)
     return rewards
+
+# %% ../nbs/01_rewards.ipynb
+def reward_model_text(prompt, completion, tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    "The text a reward model scores: `prompt + completion`, or the chat template over the messages and the reply."
+    if isinstance(prompt, str):
+        return prompt + completion_text(completion)
+    reply = list(completion) if isinstance(completion, (list, tuple)) else [{"role": "assistant", "content": completion}]
+    return tokenizer.apply_chat_template(list(prompt) + reply, tokenize=False, **(chat_template_kwargs or {}))
+
+# %% ../nbs/01_rewards.ipynb
+def _reward_tokenizer(model):
+    "The tokenizer saved with a reward model (from its `_name_or_path`), as TRL loads it when none is given."
+    from transformers import AutoTokenizer
+    path = getattr(model.config, "_name_or_path", "")
+    if not path:
+        raise ValueError(f"reward model {type(model).__name__} has no tokenizer: it was not loaded from a folder or hub id. "
+                         "Pass its tokenizer (processing_class=..., or reward_processing_classes=[...] in the trainer).")
+    return AutoTokenizer.from_pretrained(path)
+
+# %% ../nbs/01_rewards.ipynb
+class RewardModel:
+    "A sequence-classification model as a reward function: its first logit on prompt + completion, as TRL scores."
+    def __init__(self, model, processing_class=None, device=None, chat_template_kwargs: dict | None = None,
+                 batch_size: int | None = None):
+        self.processing_class = processing_class if processing_class is not None else _reward_tokenizer(model)
+        if self.processing_class.pad_token_id is None:
+            self.processing_class.pad_token = self.processing_class.eos_token
+        # the head reads the last token that is not padding, found through the config's pad_token_id
+        model.config.get_text_config().pad_token_id = self.processing_class.pad_token_id
+        if getattr(model.config, "num_labels", 1) != 1:
+            logger.warning("reward model %r has num_labels=%d; its first logit is used as the reward (as TRL does).",
+                           _model_name(model), model.config.num_labels)
+        self.model = model.eval() if device is None else model.to(device).eval()
+        self.device = next(model.parameters()).device
+        self.chat_template_kwargs, self.batch_size = chat_template_kwargs or {}, batch_size
+        self.__name__ = _model_name(model)
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        self.model.eval()
+        texts = [reward_model_text(p, c, self.processing_class, self.chat_template_kwargs)
+                 for p, c in zip(prompts, completions)]
+        size, scores = self.batch_size or max(len(texts), 1), []
+        for start in range(0, len(texts), size):
+            batch = self.processing_class(text=texts[start:start + size], return_tensors="pt", padding=True,
+                                          padding_side="right", add_special_tokens=False).to(self.device)
+            logits = self.model(**batch).logits
+            if logits.ndim != 2:
+                raise RewardFunctionError(f"reward model {self.__name__!r} returned logits of shape {tuple(logits.shape)}; "
+                                          "a reward model is a sequence-classification model, (batch, num_labels).")
+            scores += logits[:, 0].float().tolist()
+        return scores
+
+    def __repr__(self):
+        return f"RewardModel({self.__name__!r}, device={self.device})"
+
+# %% ../nbs/01_rewards.ipynb
+def load_reward_model(name_or_path, **model_init_kwargs):
+    "A sequence-classification model with one output from a local folder or a hub id, as TRL loads reward models."
+    from transformers import AutoModelForSequenceClassification
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(str(name_or_path), num_labels=1, **model_init_kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load the reward model {_short(str(name_or_path), 120)}: {type(e).__name__}: "
+                         f"{_short(str(e), 300)} Give a folder with a sequence-classification model (config.json and "
+                         "weights) or a hub id (needs the network).") from e
+
+
+def as_reward_function(func_or_model, processing_class=None, device=None, **model_init_kwargs):
+    "A reward callable from a function (returned unchanged), a reward model, or a reward model's folder or hub id."
+    if isinstance(func_or_model, (str, os.PathLike)):
+        func_or_model = load_reward_model(func_or_model, **model_init_kwargs)
+    if isinstance(func_or_model, torch.nn.Module):
+        return RewardModel(func_or_model, processing_class, device)
+    if callable(func_or_model):
+        return func_or_model
+    raise TypeError(f"a reward function must be a callable, a sequence-classification model, or its folder or hub id; "
+                    f"got {type(func_or_model).__name__}.")
