@@ -10,11 +10,18 @@ from numbers import Integral
 import numpy as np
 import torch
 
+from .rewards import RewardFunctionError
+
 # %% auto 0
-__all__ = ['SCALE_REWARDS', 'as_reward_matrix', 'sum_rewards', 'group_statistics', 'compute_advantages']
+__all__ = ['SCALE_REWARDS', 'MULTI_OBJECTIVE_AGGREGATIONS', 'as_reward_matrix', 'sum_rewards', 'group_statistics', 'nanstd',
+           'reward_stats', 'compute_advantages']
 
 # %% ../nbs/02_advantages.ipynb
-def as_reward_matrix(rewards_per_func) -> torch.Tensor:
+def _who(j: int, reward_names=None) -> str:
+    return f"reward function {reward_names[j]!r}" if reward_names else f"reward function {j} (column {j})"
+
+
+def as_reward_matrix(rewards_per_func, reward_names=None) -> torch.Tensor:
     "`rewards_per_func` (tensor, array or nested list; `None` = unscored) as a float32 `(N, F)` tensor."
     if isinstance(rewards_per_func, torch.Tensor):
         rewards = rewards_per_func.detach().float()
@@ -27,27 +34,47 @@ def as_reward_matrix(rewards_per_func) -> torch.Tensor:
         rewards = rewards[:, None]
     if rewards.ndim != 2:
         raise ValueError(f"rewards_per_func has shape {tuple(rewards.shape)}: expected (N, F), one column per reward function.")
+    if reward_names is not None and len(reward_names) != rewards.shape[1]:
+        raise ValueError(f"{len(reward_names)} reward_names for {rewards.shape[1]} reward functions: give one name per column.")
     if torch.isinf(rewards).any():
         row, col = torch.nonzero(torch.isinf(rewards))[0].tolist()
-        raise ValueError(f"rewards_per_func[{row}, {col}] is {rewards[row, col].item()}: rewards must be finite "
-                         "(return None for 'cannot score').")
+        raise RewardFunctionError(f"rewards_per_func[{row}, {col}] is {rewards[row, col].item()} ({_who(col, reward_names)}): "
+                                  "rewards must be finite float32 numbers. Rescale the reward (divide it by a constant), "
+                                  "or return None for 'cannot score'.")
     return rewards
 
 # %% ../nbs/02_advantages.ipynb
-def sum_rewards(rewards_per_func, reward_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
-    "`(rewards, scorable)`, both `(N,)`: the weighted sum over the functions that scored each row, and whether any did."
-    rewards_per_func = as_reward_matrix(rewards_per_func)
-    num_funcs = rewards_per_func.shape[1]
+def _weights(reward_weights, num_funcs: int) -> torch.Tensor:
+    "The reward weights as a float32 `(F,)` tensor (ones by default), checked."
     if reward_weights is None:
-        weights = torch.ones(num_funcs)
-    else:
-        weights = torch.as_tensor(np.asarray(reward_weights, dtype=np.float32)).flatten()
-        if len(weights) != num_funcs:
-            raise ValueError(f"reward_weights has {len(weights)} values for {num_funcs} reward functions: give one per function.")
-        if not torch.isfinite(weights).all():
-            raise ValueError(f"reward_weights={list(reward_weights)} must all be finite numbers.")
+        return torch.ones(num_funcs)
+    weights = torch.as_tensor(np.asarray(reward_weights, dtype=np.float32)).flatten()
+    if len(weights) != num_funcs:
+        raise ValueError(f"reward_weights has {len(weights)} values for {num_funcs} reward functions: give one per function.")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"reward_weights={list(reward_weights)} must all be finite numbers.")
+    return weights
+
+
+def _too_large(rows: torch.Tensor, weighted: torch.Tensor, what: str, reward_names=None) -> RewardFunctionError:
+    "An overflow error naming the function with the largest weighted reward among `rows`, its value and the fix."
+    block = torch.nan_to_num(weighted[rows].abs(), nan=-1.0)
+    row, j = divmod(int(block.argmax()), weighted.shape[1])
+    value, first = weighted[rows][row, j].item(), int(rows.nonzero()[0])
+    return RewardFunctionError(
+        f"{what} overflows float32 (from completion {first}): {_who(j, reward_names)} gives weighted rewards up to "
+        f"{value:.3g}, so the advantages would be NaN or 0 and the batch would teach nothing. Rescale the reward "
+        "(divide it by a constant): advantages compare completions, only the differences within a group matter.")
+
+
+def sum_rewards(rewards_per_func, reward_weights=None, reward_names=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "`(rewards, scorable)`, both `(N,)`: the weighted sum over the functions that scored each row, and whether any did."
+    rewards_per_func = as_reward_matrix(rewards_per_func, reward_names)
+    weighted = rewards_per_func * _weights(reward_weights, rewards_per_func.shape[1]).to(rewards_per_func.device)
     scorable = ~torch.isnan(rewards_per_func).all(dim=1)
-    rewards = torch.nansum(rewards_per_func * weights.to(rewards_per_func.device), dim=1)
+    rewards = torch.nansum(weighted, dim=1)
+    if (scorable & ~torch.isfinite(rewards)).any():
+        raise _too_large(scorable & ~torch.isfinite(rewards), weighted, "the weighted sum of the rewards", reward_names)
     return torch.where(scorable, rewards, torch.nan), scorable
 
 # %% ../nbs/02_advantages.ipynb
@@ -62,7 +89,17 @@ def group_statistics(rewards: torch.Tensor, scorable: torch.Tensor, num_generati
     return mean, std
 
 # %% ../nbs/02_advantages.ipynb
+def nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    "Bessel-corrected std ignoring NaN, NaN where fewer than two values remain (TRL's `nanstd`)."
+    dims = tuple(range(x.ndim)) if dim is None else dim
+    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
+    squares = torch.nansum((x - torch.nanmean(x, dim=dims, keepdim=True)) ** 2, dim=dims, keepdim=True)
+    std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), torch.nan)
+    return std if keepdim else std.squeeze(dims) if dim is not None else std.reshape(())
+
+# %% ../nbs/02_advantages.ipynb
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def _scale_mode(scale_rewards) -> str:
@@ -73,31 +110,74 @@ def _scale_mode(scale_rewards) -> str:
     raise ValueError(f"scale_rewards={scale_rewards!r} must be one of 'group', 'batch', 'none' "
                      "(or True for 'group', False for 'none').")
 
-# %% ../nbs/02_advantages.ipynb
-def compute_advantages(rewards_per_func, num_generations: int, reward_weights=None,
-                       scale_rewards: str | bool = "group") -> tuple[torch.Tensor, dict]:
-    "Group-relative advantages `(N,)` float32 of `rewards_per_func` `(N, F)` (NaN = unscored), and logging stats."
-    mode = _scale_mode(scale_rewards)
-    matrix = as_reward_matrix(rewards_per_func)
-    rewards, scorable = sum_rewards(matrix, reward_weights)
-    n = len(rewards)
+
+def _check_groups(n: int, num_generations) -> None:
     if isinstance(num_generations, bool) or not isinstance(num_generations, Integral) or num_generations < 1:
         raise ValueError(f"num_generations={num_generations!r} must be an int >= 1 (the completions per prompt).")
     if n == 0 or n % num_generations:
         raise ValueError(f"{n} rows cannot be cut into groups of num_generations={num_generations}: "
                          "the batch must hold whole groups (N % G == 0, N > 0).")
-    mean, std = group_statistics(rewards, scorable, num_generations)
-    centred = rewards - mean.repeat_interleave(num_generations)
-    if mode == "group":
-        centred = centred / (std.repeat_interleave(num_generations) + 1e-4)
-    elif mode == "batch":
-        batch_std = rewards[scorable].std() if scorable.sum() >= 2 else rewards.new_tensor(0.0)
-        centred = centred / (batch_std + 1e-4)
-    advantages = torch.where(scorable, centred, 0.0).float()
-    stats = {"reward": rewards[scorable].mean().item() if scorable.any() else float("nan"),
-             "reward_std": std.mean().item(),
-             "rewards_per_func_mean": torch.nanmean(matrix, dim=0).tolist(),
-             "frac_reward_zero_std": (std < 1e-6).float().mean().item(),
-             "frac_unscorable": 1 - scorable.float().mean().item(),
-             "rewards": rewards}
-    return advantages, stats
+
+# %% ../nbs/02_advantages.ipynb
+def _sum_then_normalize(rewards, scorable, weighted, num_generations: int, mode: str, reward_names=None):
+    "Advantages from the summed rewards (baseline: group mean; scale per `mode`) and the std each row was scaled by."
+    n, G = len(rewards), num_generations
+    mean, std = group_statistics(rewards, scorable, G)
+    counts = scorable.view(-1, G).sum(dim=1)
+    if mode == "batch":
+        spread = (nanstd(rewards) if n > 1 else rewards.new_tensor(0.0)).expand(n)
+    else:
+        spread = (torch.where(counts >= 2, std, torch.nan) if G > 1 else torch.zeros_like(std)).repeat_interleave(G)
+    if torch.isinf(mean).any() or torch.isinf(spread).any():
+        bad = torch.isinf(mean).repeat_interleave(G) | torch.isinf(spread)
+        raise _too_large(bad & scorable, weighted, "the rewards' mean or spread", reward_names)
+    advantages = rewards - mean.repeat_interleave(G)
+    if mode != "none":
+        advantages = advantages / (spread + 1e-4)
+    return torch.nan_to_num(torch.where(scorable, advantages, 0.0), nan=0.0), spread
+
+# %% ../nbs/02_advantages.ipynb
+def _normalize_then_sum(matrix, scorable, weights, num_generations: int, reward_names=None):
+    "GDPO: each function normalized in its group, the weighted sum normalized over the batch; and the batch std."
+    n, F = matrix.shape
+    grouped = matrix.view(-1, num_generations, F)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    if torch.isinf(mean_k).any() or torch.isinf(std_k).any():
+        bad = (torch.isinf(mean_k) | torch.isinf(std_k)).any(dim=2).expand(-1, num_generations).reshape(-1)
+        raise _too_large(bad & scorable, matrix * weights, "a reward function's group mean or spread", reward_names)
+    normalized = ((grouped - mean_k) / (std_k + 1e-4)).view(n, F)
+    summed = torch.where(scorable, torch.nansum(normalized * weights, dim=1), torch.nan)
+    spread = (nanstd(summed) if n > 1 else summed.new_tensor(0.0)).expand(n)
+    advantages = (summed - torch.nanmean(summed)) / (spread + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), spread
+
+# %% ../nbs/02_advantages.ipynb
+def reward_stats(matrix, rewards, scorable, spread, reward_names=None) -> dict:
+    "What TRL logs about rewards (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/...`), and more."
+    means, stds = torch.nanmean(matrix, dim=0).tolist(), nanstd(matrix, dim=0).tolist()
+    stats = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
+             "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
+    for name, mean, std in zip(reward_names or [], means, stds):
+        stats[f"rewards/{name}/mean"], stats[f"rewards/{name}/std"] = mean, std
+    return {**stats, "rewards_per_func_mean": means, "rewards_per_func_std": stds,
+            "frac_unscorable": 1 - scorable.float().mean().item(), "rewards": rewards}
+
+# %% ../nbs/02_advantages.ipynb
+def compute_advantages(rewards_per_func, num_generations: int, reward_weights=None, scale_rewards: str | bool = "group",
+                       *, multi_objective_aggregation: str = "sum_then_normalize",
+                       reward_names=None) -> tuple[torch.Tensor, dict]:
+    "Group-relative advantages `(N,)` float32 of `rewards_per_func` `(N, F)` (NaN = unscored), and TRL's reward stats."
+    mode = _scale_mode(scale_rewards)
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} must be one of "
+                         f"{', '.join(map(repr, MULTI_OBJECTIVE_AGGREGATIONS))}.")
+    matrix = as_reward_matrix(rewards_per_func, reward_names)
+    _check_groups(len(matrix), num_generations)
+    weights = _weights(reward_weights, matrix.shape[1])
+    rewards, scorable = sum_rewards(matrix, weights, reward_names)
+    if multi_objective_aggregation == "sum_then_normalize":
+        advantages, spread = _sum_then_normalize(rewards, scorable, matrix * weights, num_generations, mode, reward_names)
+    else:
+        advantages, spread = _normalize_then_sum(matrix, scorable, weights, num_generations, reward_names)
+    return advantages.float(), reward_stats(matrix, rewards, scorable, spread, reward_names)
