@@ -9,15 +9,20 @@ import json
 import os
 import random
 import re
+from itertools import islice
 from pathlib import Path
 
 import datasets
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+
+from .batching import short_repr
 
 # %% auto 0
-__all__ = ['FILE_FORMATS', 'REASONING_SYSTEM_PROMPT', 'arithmetic_task', 'is_conversational', 'render_prompt',
+__all__ = ['CHAT_ROLES', 'PROMPT_RULE', 'STREAM_CHECK_ROWS', 'FILE_FORMATS', 'REASONING_SYSTEM_PROMPT', 'arithmetic_task',
+           'is_conversational', 'render_prompt', 'prompt_token_lengths', 'check_prompt', 'check_prompts',
            'with_system_prompt', 'load_prompts', 'extract_hash_answer', 'format_gsm8k', 'gsm8k']
 
 # %% ../nbs/04_data.ipynb
@@ -48,17 +53,136 @@ def is_conversational(prompt) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
 
 # %% ../nbs/04_data.ipynb
-def render_prompt(prompt, tokenizer) -> str:
+_SET_BY_RENDER = ("conversation", "tokenize", "return_dict", "add_generation_prompt", "continue_final_message")
+
+
+def _template_kwargs(chat_template_kwargs) -> dict:
+    "`chat_template_kwargs` checked: a dict (or None) that leaves alone the arguments `render_prompt` sets."
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs={short_repr(chat_template_kwargs)} ({type(chat_template_kwargs).__name__}) "
+                        "must be a dict of extra variables for the chat template, e.g. {'enable_thinking': False}.")
+    if taken := [k for k in _SET_BY_RENDER if k in chat_template_kwargs]:
+        raise ValueError(f"chat_template_kwargs sets {taken}, which render_prompt chooses itself (a generation prompt "
+                         "after a user, system or tool message; the final message continued after an assistant one): "
+                         "remove them from chat_template_kwargs.")
+    return chat_template_kwargs
+
+
+def render_prompt(prompt, tokenizer, chat_template_kwargs: dict | None = None) -> str:
     "The text the model sees: a string prompt as it is, a conversation through `tokenizer`'s chat template."
     if isinstance(prompt, str):
         return prompt
     if not is_conversational(prompt):
-        raise TypeError(f"a prompt must be a string or a list of {{'role', 'content'}} messages, got {prompt!r:.80}")
+        raise TypeError(f"a prompt must be a string or a list of {{'role', 'content'}} messages, got {short_repr(prompt)}")
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("conversational prompts need a tokenizer with a chat template, and "
                          f"{'no tokenizer was given' if tokenizer is None else type(tokenizer).__name__ + ' has none'}: "
                          "use a chat (instruct) model's tokenizer, set tokenizer.chat_template, or give string prompts.")
-    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    kwargs = _template_kwargs(chat_template_kwargs)
+    continue_final = prompt[-1]["role"] == "assistant"
+    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=not continue_final,
+                                         continue_final_message=continue_final, **kwargs)
+
+# %% ../nbs/04_data.ipynb
+def prompt_token_lengths(prompts, tokenizer, chat_template_kwargs: dict | None = None,
+                         batch_size: int = 1000) -> list[int]:
+    "Each prompt's length in tokens once rendered (no special tokens added, as the trainer tokenizes), in batches."
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be a positive number of prompts per tokenizer call.")
+    lengths, prompts = [], iter(prompts)
+    while batch := [render_prompt(p, tokenizer, chat_template_kwargs) for p in islice(prompts, batch_size)]:
+        ids = tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        lengths.extend(len(x) for x in ids)
+    return lengths
+
+# %% ../nbs/04_data.ipynb
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+PROMPT_RULE = "a prompt is a string or a list of {'role': ..., 'content': ...} messages"
+
+
+def _check_message(message, row: int, number: int, column: str):
+    "Raise an error naming the row and message unless `message` is a `{'role', 'content'}` dict with a known role."
+    where = f"row {row}: {column!r} message {number}"
+    if not isinstance(message, dict):
+        raise TypeError(f"{where} is {short_repr(message)} ({type(message).__name__}), but {PROMPT_RULE}; write each "
+                        "message as a dict, e.g. {'role': 'user', 'content': 'What is 2+2?'}.")
+    role, content = message.get("role"), message.get("content")
+    if role not in CHAT_ROLES:
+        what = "has no role" if role is None else f"has role {short_repr(role)}"
+        raise ValueError(f"{where} {what}, but chat templates know only the roles {', '.join(CHAT_ROLES)}: "
+                         "use one of them (the model's own turns are 'assistant').")
+    if not (isinstance(content, str) or (isinstance(content, list) and all(isinstance(p, dict) for p in content))):
+        what = "has no content" if content is None else f"has content {short_repr(content)} ({type(content).__name__})"
+        raise ValueError(f"{where} {what} ({short_repr(message)}); each message needs a 'content' string (or a list of "
+                         "{'type': ...} parts): add it, with '' for a message that only carries tool_calls.")
+
+
+def _is_blank(content) -> bool:
+    "True for text that is empty or whitespace only, or for content parts that hold nothing else."
+    if isinstance(content, str):
+        return not content.strip()
+    return all(part.get("type") == "text" and _is_blank(part.get("text") or "") for part in content)
+
+
+def check_prompt(prompt, row: int, column: str = "prompt") -> bool:
+    "Raise an error naming `row`, the value, the rule and the fix if `prompt` is malformed; return True if it is empty."
+    if isinstance(prompt, str):
+        return _is_blank(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        fix = (f"drop such rows: ds = ds.filter(lambda row: row[{column!r}] is not None)" if prompt is None else
+               f"pass prompt_column= the column that holds the prompts, or make them text: "
+               f"ds = ds.map(lambda row: {{{column!r}: str(row[{column!r}])}})")
+        raise TypeError(f"row {row}: {column!r} is {short_repr(prompt)} ({type(prompt).__name__}), but {PROMPT_RULE}; {fix}.")
+    for number, message in enumerate(prompt):
+        _check_message(message, row, number, column)
+    return all(_is_blank(m["content"]) for m in prompt)
+
+# %% ../nbs/04_data.ipynb
+STREAM_CHECK_ROWS = 1000
+
+
+def _values(ds, column: str, rows: int | None):
+    "The first `rows` values (all for None) of `column` in a Dataset, an IterableDataset or a list of row dicts."
+    if isinstance(ds, (Dataset, IterableDataset)):
+        values = (v for batch in ds.select_columns([column]).iter(batch_size=1000) for v in batch[column])
+    else:
+        values = (row.get(column) for row in ds)
+    return islice(values, rows)
+
+
+def _keep_filled(column: str, prompt) -> str:
+    "The `ds.filter` one-liner that drops empty prompts of `prompt`'s kind."
+    keep = (f"any(m['content'].strip() for m in row[{column!r}])" if isinstance(prompt, (list, tuple))
+            else f"row[{column!r}].strip() != ''")
+    return f"ds = ds.filter(lambda row: {keep})"
+
+
+def _empty_prompts_error(empty: list[int], checked: int, column: str, example) -> ValueError:
+    "The error for empty prompts: all of them (the wrong column?) or some (named, with the filter that drops them)."
+    if len(empty) == checked:
+        return ValueError(f"all {checked} prompts in column {column!r} are empty or whitespace only (row 0 is "
+                          f"{short_repr(example)}), so the model would have nothing to answer: check that prompt_column= "
+                          "names the column that holds the prompts, and that the data has them.")
+    rows = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    return ValueError(f"{len(empty)} of {checked} prompts are empty or whitespace only (rows {rows}); training on them "
+                      "is silently wrong: they get completions and rewards like the others, for answers to nothing. "
+                      f"Drop them first: {_keep_filled(column, example)}")
+
+
+def check_prompts(ds, column: str = "prompt", rows: int | None = None) -> None:
+    "Check every prompt of `column` (the first `rows`; a stream's first `STREAM_CHECK_ROWS`) before training starts."
+    if rows is None and isinstance(ds, IterableDataset):
+        rows = STREAM_CHECK_ROWS
+    empty, checked, example = [], 0, None
+    for row, prompt in enumerate(_values(ds, column, rows)):
+        checked += 1
+        if check_prompt(prompt, row, column):
+            empty.append(row)
+            example = prompt if example is None else example
+    if empty:
+        raise _empty_prompts_error(empty, checked, column, example)
 
 # %% ../nbs/04_data.ipynb
 FILE_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
@@ -143,44 +267,57 @@ def _looks_like_path(source: str) -> bool:
             or source.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source))
 
 
-def _load_rows(source, split: str = "train", name: str | None = None) -> Dataset:
-    "Any supported source (hub id, path, list of dicts, dict of lists, Dataset, DatasetDict) as a `Dataset`."
-    if isinstance(source, Dataset):
+def _from_python(source, prompt_column: str) -> Dataset:
+    "A `Dataset` from a dict of columns or a list of row dicts; a column that mixes types is explained, not just refused."
+    try:
+        return Dataset.from_dict(source) if isinstance(source, dict) else Dataset.from_list(list(source))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        if isinstance(source, dict) and prompt_column in source:
+            check_prompts([{prompt_column: p} for p in source[prompt_column]], prompt_column)
+        elif not isinstance(source, dict) and prompt_column in source[0]:
+            check_prompts(source, prompt_column)
+        raise TypeError(f"these rows cannot form a table ({str(e)[:100]}): each column must hold one type in every "
+                        "row, e.g. 'answer': '4' in all of them, not '4' in some and 4 in others.") from e
+
+
+def _load_rows(source, split: str = "train", name: str | None = None, prompt_column: str = "prompt"):
+    "Any supported source (hub id, path, list of dicts, dict of lists, a `datasets` object) as a Dataset or IterableDataset."
+    if isinstance(source, (Dataset, IterableDataset)):
         return source
-    if isinstance(source, DatasetDict):
-        return _pick_split(source, split, "the DatasetDict")
+    if isinstance(source, (DatasetDict, IterableDatasetDict)):
+        return _pick_split(source, split, f"the {type(source).__name__}")
     if isinstance(source, dict):
-        return Dataset.from_dict(source)
+        return _from_python(source, prompt_column)
     if isinstance(source, (list, tuple)):
         if not all(isinstance(row, dict) for row in source):
-            raise TypeError(f"a list source must hold one dict per row, like [{{'prompt': '23+45='}}], got {list(source)[:2]!r:.80}")
-        return Dataset.from_list(list(source))
+            raise TypeError(f"a list source must hold one dict per row, like [{{'prompt': '23+45='}}], got {short_repr(list(source[:2]))}")
+        return _from_python(source, prompt_column) if source else Dataset.from_list([])
     if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
         return _load_path(Path(source).expanduser(), split, name)
     if isinstance(source, str):
         return _load_hub(source, split, name)
     raise TypeError(f"cannot load prompts from a {type(source).__name__}; pass a hub id, a file or folder path, "
-                    "a list of dicts, a dict of lists, or a datasets.Dataset.")
+                    "a list of dicts, a dict of lists, or a datasets.Dataset or IterableDataset.")
 
 # %% ../nbs/04_data.ipynb
-def _prompt_column(ds: Dataset, prompt_column: str) -> Dataset:
-    "`ds` with its prompt column named `prompt`, or an error listing the columns there are."
-    if prompt_column not in ds.column_names:
-        raise ValueError(f"no prompt column {prompt_column!r}; the columns are {ds.column_names}: "
+def _require_column(columns: list[str], prompt_column: str):
+    "An error listing the columns there are, unless `prompt_column` is one of them (and no other column is 'prompt')."
+    names = repr(list(columns))[:300]
+    if prompt_column not in columns:
+        raise ValueError(f"no prompt column {prompt_column!r}; the columns are {names}: "
                          "pass prompt_column= the one that holds the prompts.")
-    if prompt_column != "prompt" and "prompt" in ds.column_names:
+    if prompt_column != "prompt" and "prompt" in columns:
         raise ValueError(f"prompt_column={prompt_column!r} but a 'prompt' column exists too; "
                          "remove or rename one of them (ds.remove_columns('prompt')).")
-    return ds.rename_column(prompt_column, "prompt") if prompt_column != "prompt" else ds
 
 
-def _first_rows(ds: Dataset, limit: int | None) -> Dataset:
-    "The first `limit` rows of `ds` (all of them for None)."
+def _first_rows(ds, limit: int | None):
+    "The first `limit` rows of `ds` (all of them for None); a stream's are taken as it is read."
     if limit is None:
         return ds
     if limit < 1:
         raise ValueError(f"limit={limit} must be a positive number of rows (or None for all).")
-    return ds.select(range(min(limit, len(ds))))
+    return ds.take(limit) if isinstance(ds, IterableDataset) else ds.select(range(min(limit, len(ds))))
 
 
 def _set_column(ds: Dataset, name: str, values: list) -> Dataset:
@@ -188,6 +325,13 @@ def _set_column(ds: Dataset, name: str, values: list) -> Dataset:
     out = ds.add_column(f"_new_{name}", values)
     out = out.remove_columns(name) if name in ds.column_names else out
     return out.rename_column(f"_new_{name}", name).select_columns(list(dict.fromkeys([*ds.column_names, name])))
+
+
+def _map_prompts(ds, fn):
+    "`ds` with `fn` applied to every prompt: all at once for a Dataset, row by row as a stream is read."
+    if isinstance(ds, IterableDataset):
+        return ds.map(lambda row: {"prompt": fn(row["prompt"])})
+    return _set_column(ds, "prompt", [fn(p) for p in ds["prompt"]])
 
 # %% ../nbs/04_data.ipynb
 def with_system_prompt(prompt, system_prompt: str) -> list[dict]:
@@ -201,22 +345,47 @@ def with_system_prompt(prompt, system_prompt: str) -> list[dict]:
     return [system, *prompt]
 
 # %% ../nbs/04_data.ipynb
+def _checked_stream(ds: IterableDataset, column: str) -> IterableDataset:
+    "`ds` with each row checked as it is read (`check_prompt`); an empty prompt there is an error too."
+    def check(row: dict, index: int) -> bool:
+        if check_prompt(row[column], index, column):
+            raise ValueError(f"row {index} read from the stream has an empty prompt ({short_repr(row[column])}); "
+                             "training on it is silently wrong (completions and rewards for answers to nothing). "
+                             f"Drop empty prompts first: {_keep_filled(column, row[column])}")
+        return True
+    return ds.filter(check, with_indices=True)
+
+
+def _prepare_stream(ds: IterableDataset, prompt_column: str, limit: int | None) -> IterableDataset:
+    "A stream cut to `limit` rows, its first rows checked now and every row checked again as it is read."
+    ds = _first_rows(ds, limit)
+    head = list(ds.take(STREAM_CHECK_ROWS))
+    if not head:
+        raise ValueError("the stream has no rows; GRPO needs at least one prompt.")
+    _require_column(ds.column_names or list(head[0]), prompt_column)
+    check_prompts(head, prompt_column)
+    return _checked_stream(ds, prompt_column)
+
+# %% ../nbs/04_data.ipynb
 def load_prompts(source, *, split: str = "train", prompt_column: str = "prompt", system_prompt: str | None = None,
-                 tokenizer=None, limit: int | None = None, name: str | None = None) -> Dataset:
-    "A `Dataset` with a `prompt` column (text or conversations) and the source's other columns, ready for `GRPOTrainer`."
-    ds = _load_rows(source, split, name)
-    if len(ds) == 0:
-        what = str(source) if isinstance(source, (str, os.PathLike)) else f"this {type(source).__name__}"
-        raise ValueError(f"the dataset from {what} has no rows; GRPO needs at least one prompt.")
-    ds = _first_rows(_prompt_column(ds, prompt_column), limit)
-    first = ds[0]["prompt"]
-    if not (isinstance(first, str) or is_conversational(first)):
-        raise TypeError(f"prompts must be strings or lists of {{'role', 'content'}} messages; column {prompt_column!r} "
-                        f"holds {type(first).__name__} values such as {first!r:.60}.")
+                 tokenizer=None, limit: int | None = None, name: str | None = None,
+                 chat_template_kwargs: dict | None = None):
+    "A `Dataset` (or, from a stream, an `IterableDataset`) with a checked `prompt` column and the source's other columns."
+    ds = _load_rows(source, split, name, prompt_column)
+    if isinstance(ds, IterableDataset):
+        ds = _prepare_stream(ds, prompt_column, limit)
+    else:
+        if len(ds) == 0:
+            what = str(source) if isinstance(source, (str, os.PathLike)) else f"this {type(source).__name__}"
+            raise ValueError(f"the dataset from {what} has no rows; GRPO needs at least one prompt.")
+        _require_column(ds.column_names, prompt_column)
+        ds = _first_rows(ds, limit)
+        check_prompts(ds, prompt_column)
+    ds = ds if prompt_column == "prompt" else ds.rename_column(prompt_column, "prompt")
     if system_prompt is not None:
-        ds = _set_column(ds, "prompt", [with_system_prompt(p, system_prompt) for p in ds["prompt"]])
+        ds = _map_prompts(ds, lambda p: with_system_prompt(p, system_prompt))
     if tokenizer is not None:
-        ds = _set_column(ds, "prompt", [render_prompt(p, tokenizer) for p in ds["prompt"]])
+        ds = _map_prompts(ds, lambda p: render_prompt(p, tokenizer, chat_template_kwargs))
     return ds
 
 # %% ../nbs/04_data.ipynb
