@@ -19,7 +19,7 @@ from .batching import short_repr
 # %% auto 0
 __all__ = ['CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run',
            'resume_command', 'interrupted_message', 'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot',
-           'cmd_demo', 'cmd_export', 'build_parser', 'main']
+           'cmd_demo', 'cmd_export', 'cmd_bench', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -370,14 +370,30 @@ def _add_export(sub):
     p.set_defaults(func=cmd_export)
 
 # %% ../nbs/09_cli.ipynb
+def cmd_bench(a) -> int:
+    "Run the benchmark of `grpo_lab.bench` (its heavy imports happen only now)."
+    from grpo_lab.bench import cmd_bench as run_bench_command
+    return run_bench_command(a)
+
+
+def _add_bench(sub):
+    from grpo_lab.bench import add_bench_arguments
+    p = sub.add_parser("bench", help="benchmark grpo-lab against TRL: time per phase, tokens/s, peak memory",
+                       description="Time GRPO steps of grpo-lab and, when TRL is installed, TRL's GRPOTrainer on the "
+                                   "same model, data and settings, alternating fresh processes; write bench.json and bench.png.")
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+# %% ../nbs/09_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-lab", description="Learn and run GRPO fine-tuning of language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export,bench}")
     sub.required = True
     _add_demo(sub)
     _add_train(sub)
     _add_plan(sub)
     _add_export(sub)
+    _add_bench(sub)
     return parser
 
 
