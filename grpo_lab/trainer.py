@@ -33,7 +33,8 @@ from .batching import BatchPlan, plan_for, short_repr
 from .data import is_conversational, load_prompts, prompt_token_lengths, render_prompt
 from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, load_policy, make_reference, reference_logps
-from .rewards import RewardFunctionError, RewardLogs, as_reward_function, reward_names, score
+from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_function, check_reward_arguments,
+                              reward_names, score)
 
 logger = logging.getLogger(__name__)
 
@@ -489,7 +490,12 @@ def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) ->
     if not funcs or len(tokenizers) != len(funcs):
         raise ValueError(f"reward_funcs has {len(funcs)} entries and reward_processing_classes {len(tokenizers)}: "
                          "give at least one reward function, and one processing class per reward function (or None).")
-    funcs = [as_reward_function(f, tok, device=self.accelerator.device) for f, tok in zip(funcs, tokenizers)]
+    init_kwargs = _as_dict(self.args.model_init_kwargs)
+    funcs = [as_reward_function(f, tok, device=self.accelerator.device, **init_kwargs) for f, tok in zip(funcs, tokenizers)]
+    for f in funcs:
+        if isinstance(f, RewardModel):
+            f.chat_template_kwargs = _as_dict(self.args.chat_template_kwargs)
+    check_reward_arguments(funcs, self.train_dataset.column_names)
     if self.args.reward_weights is not None and len(self.args.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(self.args.reward_weights)} values for {len(funcs)} reward functions; "
                          "give one weight per function.")
@@ -617,7 +623,7 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict]) -> Rollout:
     completions = [_as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
     rewards = acc.gather(self._score(rows, completions, id_lists).to(acc.device)).float().cpu()
     adv, stats = compute_advantages(rewards, args.num_generations, reward_weights=args.reward_weights,
-                                    scale_rewards=args.scale_rewards,
+                                    scale_rewards=args.scale_rewards, reward_names=self.reward_names,
                                     multi_objective_aggregation=args.multi_objective_aggregation)
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     lengths, all_truncated = acc.gather(c_mask.sum(1).float()), acc.gather(truncated.to(acc.device))
@@ -626,8 +632,9 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict]) -> Rollout:
     self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + c_mask.sum()).reshape(1)).sum().item())
     metrics = {"num_tokens": self.state.num_input_tokens_seen,
                **_length_metrics(lengths.cpu(), all_truncated.cpu()), **self._reward_metrics(stats)}
+    extra = self._reward_logs.extra
     samples = [{"prompt": texts[i], "completion": decoded[i], "reward": float(stats["rewards"][mine][i]),
-                "advantage": float(adv[mine][i])} for i in range(len(texts))]
+                "advantage": float(adv[mine][i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(texts))]
     rollout = Rollout(p_ids, p_mask, c_ids, c_mask, adv[mine].to(acc.device),
                       num_items_in_batch=acc.gather(c_mask.sum().reshape(1)).sum().item(), metrics=metrics, samples=samples)
     self._add_logps(rollout)
@@ -954,7 +961,7 @@ def _log_completions(self: GRPOTrainer, samples: list[dict]):
     "Append the step's completions to completions.jsonl and print a few."
     with open(Path(self.args.output_dir) / "completions.jsonl", "a") as f:
         for s in samples:
-            f.write(json.dumps({"step": self.state.global_step, **s}) + "\n")
+            f.write(json.dumps({"step": self.state.global_step, **s}, default=str) + "\n")
     shown = samples[:self.args.num_completions_to_print] if self.args.num_completions_to_print else samples
     for s in shown:
         print(f"[step {self.state.global_step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
@@ -994,7 +1001,9 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eva
         decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
         rewards = acc.gather(self._score(mine, [_as_completion(t, r["prompt"]) for t, r in zip(decoded, mine)],
                                          id_lists).to(acc.device)).float().cpu()
-        _, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards)
+        _, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards,
+                                      reward_names=self.reward_names,
+                                      multi_objective_aggregation=args.multi_objective_aggregation)
         window.append({**self._reward_metrics(stats), **_length_metrics(acc.gather(c_mask.sum(1).float()).cpu(),
                                                                         acc.gather(truncated.to(acc.device)).cpu())})
     metrics = {f"{metric_key_prefix}_{k}": v for k, v in _mean_metrics(window).items()}
