@@ -21,9 +21,9 @@ from pathlib import Path
 
 # %% auto 0
 __all__ = ['SHAPES', 'BENCH_SPECIALS', 'BENCH_CHAT_TEMPLATE', 'PHASES', 'BenchSkipped', 'BenchSettings', 'bench_tokenizer',
-           'prepare_model', 'synthetic_prompts', 'prompt_lengths', 'even_token_reward', 'PhaseTimer', 'instrument',
-           'peak_memory_mib', 'run_one', 'default_trl_python', 'summarize', 'machine', 'run_bench', 'format_summary',
-           'plot_bench', 'add_bench_arguments', 'settings_from_args', 'cmd_bench', 'main']
+           'prepare_model', 'load_tokenizer', 'synthetic_prompts', 'prompt_lengths', 'even_token_reward', 'PhaseTimer',
+           'instrument', 'peak_memory_mib', 'run_one', 'default_trl_python', 'summarize', 'machine', 'run_bench',
+           'format_summary', 'plot_bench', 'add_bench_arguments', 'settings_from_args', 'cmd_bench', 'main']
 
 # %% ../nbs/10_bench.ipynb
 SHAPES = {
@@ -104,7 +104,10 @@ def _shape_source(shape: str):
         if not hasattr(models, "smollm2_path"):
             raise BenchSkipped("shape 'smollm2' needs grpo_lab.models.smollm2_path(), which this install does not have "
                                "yet; use --shape tiny or qwen2.5-0.5b.")
-        return models.smollm2_path()
+        try:
+            return models.smollm2_path()
+        except (FileNotFoundError, RuntimeError) as e:   # no wheel in the cache and no package index to fetch it
+            raise BenchSkipped(f"shape 'smollm2' could not be built: {e}") from e
     return models.model_config(SHAPES[shape])
 
 
@@ -127,8 +130,14 @@ def prepare_model(settings: BenchSettings, folder) -> Path:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder / "tokenizer")
     return folder
+
+
+def load_tokenizer(folder):
+    "The tokenizer `prepare_model` wrote, loaded as it was built."
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(Path(folder) / "tokenizer")
 
 # %% ../nbs/10_bench.ipynb
 def synthetic_prompts(tokenizer, n: int, prompt_length: int, seed: int = 0) -> list[list[dict]]:
@@ -249,9 +258,10 @@ def _make_trainer(kind: str, s: BenchSettings, model_dir: Path, dataset, output_
         from grpo_lab.trainer import GRPOConfig, GRPOTrainer
         config = GRPOConfig(**args, lora_r=s.lora_r, lora_alpha=2 * s.lora_r if s.lora_r else None,
                             load_in_4bit=s.load_in_4bit)
-        return GRPOTrainer(str(model_dir), even_token_reward, args=config, train_dataset=dataset)
+        return GRPOTrainer(str(model_dir), even_token_reward, args=config, train_dataset=dataset,
+                           processing_class=load_tokenizer(model_dir))
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
     from grpo_lab.models import _device, _load_kwargs
     model = AutoModelForCausalLM.from_pretrained(model_dir, **_load_kwargs(_device(), s.load_in_4bit, s.lora_r is not None,
@@ -259,7 +269,7 @@ def _make_trainer(kind: str, s: BenchSettings, model_dir: Path, dataset, output_
     peft_config = LoraConfig(r=s.lora_r, lora_alpha=2 * s.lora_r, lora_dropout=0.0, target_modules="all-linear",
                              task_type="CAUSAL_LM") if s.lora_r else None
     return GRPOTrainer(model=model, reward_funcs=even_token_reward, args=GRPOConfig(**args), train_dataset=dataset,
-                       processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft_config)
+                       processing_class=load_tokenizer(model_dir), peft_config=peft_config)
 
 # %% ../nbs/10_bench.ipynb
 def peak_memory_mib() -> tuple[float, str]:
@@ -291,7 +301,7 @@ def run_one(kind: str, workdir) -> dict:
     if s.threads:
         torch.set_num_threads(s.threads)
     dataset = Dataset.from_dict({"prompt": json.loads((workdir / "prompts.json").read_text())})
-    trainer = _make_trainer(kind, s, workdir / "model", dataset, tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+    trainer = _make_trainer(kind, s, workdir / "model", dataset, str(workdir / f"output-{kind}-{os.getpid()}"))
     timer = PhaseTimer(torch.cuda.synchronize if torch.cuda.is_available() else None)
     callback = instrument(trainer, kind, timer)
     if torch.cuda.is_available():
@@ -353,13 +363,20 @@ def machine() -> dict:
 def run_bench(settings: BenchSettings, output_dir, repeats: int = 2, trl_python: str | None = None,
               with_trl: bool = True, progress: bool = True) -> dict:
     "Prepare the shared model and prompts, alternate grpo-lab and TRL runs in fresh processes, write bench.json and bench.png."
-    from tqdm.auto import tqdm
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="grpo-lab-bench-"))
+    with tempfile.TemporaryDirectory(prefix="grpo-lab-bench-") as workdir:   # the model folder can weigh a GB
+        result = _run_in(Path(workdir), settings, repeats, trl_python, with_trl, progress)
+    (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    plot_bench(result, output_dir / "bench.png")
+    return result
+
+
+def _run_in(workdir: Path, settings: BenchSettings, repeats: int, trl_python, with_trl: bool, progress: bool) -> dict:
+    "`run_bench` inside its scratch folder `workdir`: the shared files, then the alternating runs."
+    from tqdm.auto import tqdm
     prepare_model(settings, workdir / "model")
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
+    tokenizer = load_tokenizer(workdir / "model")
     unique_prompts = settings.per_device_train_batch_size * settings.gradient_accumulation_steps // settings.num_generations
     prompts = synthetic_prompts(tokenizer, unique_prompts * settings.steps, settings.prompt_length, settings.seed)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
@@ -373,13 +390,10 @@ def run_bench(settings: BenchSettings, output_dir, repeats: int = 2, trl_python:
                 bar.set_postfix_str(f"{kind} run {repeat + 1}")
                 runs.append({**_child(python, kind, workdir, workdir / f"{kind}-{repeat}.json"), "repeat": repeat})
                 bar.update()
-    result = {"settings": asdict(settings), "description": settings.describe(), "machine": machine(),
-              "prompt_tokens": statistics.mean(prompt_lengths(tokenizer, prompts)),
-              "trl": "compared" if trl_python else "not installed: grpo-lab alone (pip install trl, or --trl-python)",
-              "runs": runs, "summary": summarize(runs)}
-    (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
-    plot_bench(result, output_dir / "bench.png")
-    return result
+    return {"settings": asdict(settings), "description": settings.describe(), "machine": machine(),
+            "prompt_tokens": statistics.mean(prompt_lengths(tokenizer, prompts)),
+            "trl": "compared" if trl_python else "not installed: grpo-lab alone (pip install trl, or --trl-python)",
+            "runs": runs, "summary": summarize(runs)}
 
 # %% ../nbs/10_bench.ipynb
 def format_summary(result: dict) -> str:
