@@ -152,6 +152,7 @@ class GRPOConfig(TrainingArguments):
     target_modules: str | list[str] = "all-linear"
 
     def __post_init__(self):
+        self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
         _coerce_numbers(self)
         _refuse_unsupported(self)
         self.bf16 = _resolve_bf16(self.bf16, self.fp16, self.use_cpu)
@@ -258,6 +259,9 @@ def _check_ranges(cfg) -> None:
     _check(0 < cfg.top_entropy_quantile <= 1, f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1].")
     _check(cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations} must be >= 1.")
     _check(cfg.max_steps != 0, "max_steps=0 would train nothing; use -1 to train num_train_epochs, or a positive number.")
+    _check(cfg.max_steps > 0 or (float(cfg.num_train_epochs).is_integer() and cfg.num_train_epochs >= 1),
+           f"num_train_epochs={cfg.num_train_epochs} must be a whole number >= 1 (grpo-lab's plans count whole epochs; "
+           "use max_steps for part of an epoch).")
     _check(cfg.num_generations is not None and cfg.num_generations >= 2,
            f"num_generations={cfg.num_generations} must be >= 2: a group needs two completions to compare.")
     _check(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0 (a fraction below 1 is a ratio of the run).")

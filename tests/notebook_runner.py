@@ -8,8 +8,10 @@ go stale: change the code and the test names the cell whose output changed.
     python tests/notebook_runner.py --check nbs/03_loss.ipynb     # execute and compare (what the tests do)
 
 Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run (their stored outputs, if any, stay).
-Cells whose output differs from run to run (timings, memory, temporary paths) carry `#| volatile`: they run, their
-output is stored, and only its kind is compared. Error output (warnings, progress bars) is never stored.
+Floats are compared to two significant digits (another CPU may differ in the last bits). Cells whose output differs
+from run to run (timings, memory) carry `#| volatile`: they run, their output is stored, and only its kind is
+compared; so are the tutorials' outputs, which come from training runs. Error output (warnings, progress bars) is
+never stored.
 """
 import argparse
 import base64
@@ -78,6 +80,12 @@ def clean_outputs(outputs: list) -> list:
 
 
 _NOISE = [(re.compile(r"0x[0-9a-f]{6,}"), "0x…"), (re.compile(r"/tmp/[\w./-]+"), "/tmp/…")]
+_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d+(?:e[-+]?\d+)?|(?<![\w.])-?\d+e[-+]?\d+")
+
+
+def _two_digits(match) -> str:
+    "A float to two significant digits: the stored figure still has to agree, without the last bits of another CPU."
+    return f"{float(match.group()):.2g}"
 
 
 def signature(outputs: list) -> list:
@@ -95,6 +103,7 @@ def signature(outputs: list) -> list:
         text = "".join(text) if isinstance(text, list) else text
         for pattern, mask in _NOISE:
             text = pattern.sub(mask, text)
+        text = _FLOAT.sub(_two_digits, text)
         sig.append((kind, text.strip()))
     return sig
 
@@ -143,7 +152,7 @@ def check(path: Path) -> list[str]:
     stale = []
     for i in sorted(ran):
         old, new = stored["cells"][i], fresh["cells"][i]
-        volatile = "volatile" in directives("".join(old["source"]))
+        volatile = "volatile" in directives("".join(old["source"])) or "tutorials" in path.parts
         a, b = signature(old["outputs"]), signature(new["outputs"])
         if volatile:
             a, b = [k for k, _ in a], [k for k, _ in b]
