@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,10 +135,10 @@ def execute(path: Path) -> dict:
     return raw, ran
 
 
-def store(path: Path) -> None:
-    "Execute twice, store the outputs, and mark `#| volatile` the cells whose output differs between the runs."
-    first, _ = execute(path)
-    second, ran = execute(path)
+def store(path: Path, runs: int = 2) -> None:
+    "Execute (twice), store the outputs, and mark `#| volatile` the cells whose output differs between the runs."
+    first, ran = execute(path)
+    second, ran = execute(path) if runs > 1 else (first, ran)
     for i in ran:
         a, b = first["cells"][i], second["cells"][i]
         if signature(a["outputs"]) != signature(b["outputs"]) and "volatile" not in directives("".join(b["source"])):
@@ -165,11 +166,14 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--once", action="store_true", help="store from one run (no volatile detection)")
     parser.add_argument("notebooks", nargs="+", type=Path)
     a = parser.parse_args()
     for nb_path in a.notebooks:
         if a.store:
-            store(nb_path.resolve())
+            started = time.time()
+            store(nb_path.resolve(), runs=1 if a.once else 2)
+            print(f"{nb_path}: {time.time() - started:.0f} s")
             print(f"stored {nb_path} ({nb_path.stat().st_size / 1e3:.0f} kB)")
         else:
             problems = check(nb_path.resolve())
