@@ -32,7 +32,7 @@ from .advantages import compute_advantages
 from .batching import BatchPlan, plan_for, short_repr
 from .data import is_conversational, load_prompts, prompt_token_lengths, render_prompt
 from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
-from .models import eos_token_ids, load_policy, make_reference, reference_logps
+from .models import check_checkpoint_matches, eos_token_ids, load_policy, make_reference, reference_logps
 from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_function, check_reward_arguments,
                               reward_names, score)
 
@@ -1193,15 +1193,11 @@ def _load_weights(self: GRPOTrainer, path: Path):
             state.update(load_file(f))
         except Exception as e:
             raise ValueError(f"{f} cannot be read: {short_repr(str(e), 200)}; resume from another checkpoint.") from None
+    check_checkpoint_matches(model, state, source=path.name)
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
         set_peft_model_state_dict(model, state)
         return
-    own = model.state_dict()
-    wrong = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    if wrong or not set(state) & set(own):
-        raise ValueError(f"{path} holds another model's weights ({len(wrong)} tensors of other shapes, e.g. "
-                         f"{wrong[:1] or list(state)[:1]}); resume with the model that wrote it.")
     model.load_state_dict(state, strict=False)
     if hasattr(model, "tie_weights"):
         model.tie_weights()

@@ -177,3 +177,14 @@ def test_push_to_hub_uploads_the_model_card_and_weights(tmp_path, monkeypatch):
     pushed = {p.name for p in (uploads / "me" / "tiny-grpo").iterdir()}
     assert {"model.safetensors", "tokenizer.json", "README.md"} <= pushed and not any(n.startswith("checkpoint") for n in pushed)
     assert "- grpo" in (uploads / "me" / "tiny-grpo" / "README.md").read_text()
+
+
+def test_another_models_checkpoint_gets_one_sentence(tmp_path):
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                disable_tqdm=True, gradient_checkpointing=False, save_strategy="steps", save_steps=1)
+    GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=1, lora_r=8),
+                train_dataset=arithmetic_task(32)).train()
+    other = GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=2, lora_r=4), train_dataset=arithmetic_task(32))
+    with pytest.raises(ValueError, match="checkpoint-1 was written by another model") as e:
+        other.train(resume_from_checkpoint=tmp_path / "checkpoint-1")
+    assert len(str(e.value)) < 600

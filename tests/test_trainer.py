@@ -333,3 +333,24 @@ def test_completions_that_cannot_fit_are_announced_once_and_capped(tmp_path, cap
                               train_dataset=arithmetic_task(16))
     assert sum("max_completion_length=512 does not fit" in r.message for r in caplog.records) == 1
     assert trainer.max_new_tokens < 64
+
+
+def test_a_trl_style_script_with_a_reward_model_by_path_and_a_function(tmp_path):
+    "reward_funcs mixes a sequence-classification reward model (a folder) and a function, as TRL allows."
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from grpo_lab.models import tiny_tokenizer
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
+    folder = tmp_path / "tiny-reward-model"
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    trainer = GRPOTrainer(TINY, [str(folder), exact_answer], args=small_args(tmp_path / "out", max_steps=2,
+                                                                           reward_weights=[0.5, 1.0]),
+                          train_dataset=arithmetic_task(16))
+    trainer.train()
+    logged = trainer.history[-1]
+    assert {"rewards/tiny-reward-model/mean", "rewards/exact_answer/mean"} <= set(logged)
+    assert logged["rewards/tiny-reward-model/std"] > 0          # the model scores completions differently
