@@ -85,8 +85,9 @@ _FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d+(?:e[-+]?\d+)?|(?<![\w.])-?\d+e[-+]?\d
 
 
 def _two_digits(match) -> str:
-    "A float to two significant digits: the stored figure still has to agree, without the last bits of another CPU."
-    return f"{float(match.group()):.2g}"
+    "A float to two significant digits, and ~0 below 1e-4: the figure must agree, not the last bits of a sum."
+    value = float(match.group())
+    return "~0" if abs(value) < 1e-4 else f"{value:.2g}"
 
 
 def signature(outputs: list) -> list:
