@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -452,9 +453,8 @@ def _check_output_dir(output_dir) -> None:
         raise ValueError(f"output_dir={str(path)!r} is a file; give a folder path for checkpoints and logs.")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".grpo-lab-write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".grpo-lab-write-test-"):   # one per process: no race
+            pass
     except OSError as e:
         raise ValueError(f"output_dir={str(path)!r} cannot be written ({e.strerror}); choose a folder you can write to.") from None
 
