@@ -1244,6 +1244,7 @@ def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
         self.accelerator.unwrap_model(self.model).save_pretrained(path)
         self.processing_class.save_pretrained(path)
         self.create_model_card(path)
+    self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
     return path
 
 
