@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 from transformers.trainer_utils import TrainOutput
 
 from .advantages import compute_advantages
-from .batching import BatchPlan, plan_for, short_repr
+from .batching import plan_for, short_repr
 from .data import is_conversational, load_prompts, prompt_token_lengths, render_prompt
 from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import check_checkpoint_matches, eos_token_ids, load_policy, make_reference, reference_logps
@@ -778,15 +777,20 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
     "Every micro-step of the run from `pos`, as one flat stream (endless: the loop stops at max_steps)."
     args, plan, acc = self.args, self.plan, self.accelerator
     ga, mu = args.gradient_accumulation_steps, args.num_iterations
+    chunks_epoch, batches = None, None
     while True:
-        chunks = generation_chunks(len(self.train_dataset), plan.unique_prompts_per_generation,
-                                   args.data_seed if args.data_seed is not None else args.seed, pos.epoch,
-                                   shuffle=args.shuffle_dataset is not False)
+        if chunks_epoch != pos.epoch:            # the shuffle of an epoch, computed once per epoch
+            chunks = generation_chunks(len(self.train_dataset), plan.unique_prompts_per_generation,
+                                       args.data_seed if args.data_seed is not None else args.seed, pos.epoch,
+                                       shuffle=args.shuffle_dataset is not False)
+            chunks_epoch = pos.epoch
         if rollout is None:
             rows = expand_groups(chunks[pos.generation], args.num_generations)
             rollout = self._generate_and_score(self.train_dataset.select(rows[process_rows(len(rows), acc.num_processes,
                                                                                           acc.process_index)]).to_list())
-        batches = self._micro_batches(rollout, pos)
+            batches = None
+        if batches is None:                      # a rollout's micro-batches, cut once per rollout
+            batches = self._micro_batches(rollout, pos)
         in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
         per_epoch = len(chunks) * mu * len(batches)
         after = _advance(pos, len(batches), mu, len(chunks))
@@ -794,7 +798,7 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
         yield MicroStep(rollout.select(batches[pos.micro]), rollout, sync=(in_epoch + 1) % ga == 0 or ends_epoch,
                         ends_epoch=ends_epoch, after=after, epoch=pos.epoch + (in_epoch + 1) / per_epoch)
         if after.generation != pos.generation or after.epoch != pos.epoch:
-            rollout = None
+            rollout, batches = None, None
         pos = after
 
 
