@@ -16,12 +16,14 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 from accelerate import Accelerator
+from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import GenerationConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
@@ -30,7 +32,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .advantages import compute_advantages
 from .batching import plan_for, short_repr
-from .data import is_conversational, load_prompts, prompt_token_lengths, render_prompt
+from .data import STREAM_CHECK_ROWS, is_conversational, load_prompts, prompt_token_lengths, render_prompt
 from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import check_checkpoint_matches, eos_token_ids, load_policy, make_reference, reference_logps
 from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_function, check_reward_arguments,
@@ -39,9 +41,9 @@ from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_fu
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'REFUSED_OPTIONS', 'GRPOConfig', 'generation_chunks', 'expand_groups', 'process_rows', 'tokenize_prompts',
-           'generation_config', 'completion_mask', 'sample_completions', 'Rollout', 'TrainingInterrupted',
-           'NonFiniteLossError', 'GRPOTrainer', 'Position', 'MicroStep', 'plot_history']
+__all__ = ['logger', 'REFUSED_OPTIONS', 'GRPOConfig', 'generation_chunks', 'expand_groups', 'process_rows', 'stream_chunks',
+           'tokenize_prompts', 'generation_config', 'completion_mask', 'sample_completions', 'Rollout',
+           'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'Position', 'MicroStep', 'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 @dataclass
@@ -290,6 +292,26 @@ def process_rows(total_rows: int, num_processes: int, process_index: int) -> sli
     return slice(process_index * per_process, (process_index + 1) * per_process)
 
 # %% ../nbs/06_trainer.ipynb
+def stream_chunks(rows, unique_prompts: int, start: int = 0) -> Iterator[tuple[int, list[dict], bool]]:
+    "Whole generation batches read in order from `rows`, from batch `start` on: `(index, rows, is_last)`."
+    rows = iter(rows)
+    for _ in islice(rows, start * unique_prompts):      # batches a resumed run has used already
+        pass
+    chunk, index = list(islice(rows, unique_prompts)), start
+    while len(chunk) == unique_prompts:
+        following = list(islice(rows, unique_prompts))   # read one batch ahead: is this the epoch's last?
+        yield index, chunk, len(following) < unique_prompts
+        chunk, index = following, index + 1
+
+
+def _check_stream_length(streaming: bool, max_steps: int) -> None:
+    "A stream has no length: the run's length must come from max_steps."
+    if streaming and max_steps <= 0:
+        raise ValueError(f"train_dataset is a stream (datasets.IterableDataset) and max_steps={max_steps}: a stream has "
+                         "no length, so num_train_epochs cannot say how many steps to train; set max_steps to the "
+                         "number of optimizer steps (e.g. max_steps=500).")
+
+# %% ../nbs/06_trainer.ipynb
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None = None, pad_to_multiple_of: int | None = None):
     "Left-padded `(input_ids, attention_mask)` `(B, P)` and how many prompts were cut from the left."
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -409,9 +431,11 @@ class GRPOTrainer:
         _check_output_dir(args.output_dir)
         self.train_dataset = load_prompts(train_dataset)
         self.eval_dataset = load_prompts(eval_dataset) if eval_dataset is not None else None
+        self.streaming = isinstance(self.train_dataset, IterableDataset)
+        _check_stream_length(self.streaming, args.max_steps)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
                                        cpu=args.use_cpu)
-        self.plan = plan_for(args, self.accelerator.num_processes, len(self.train_dataset))
+        self.plan = plan_for(args, self.accelerator.num_processes, None if self.streaming else len(self.train_dataset))
         args.steps_per_generation, args.generation_batch_size = self.plan.steps_per_generation, self.plan.generation_batch_size
         torch.manual_seed(args.seed)
         model, self.processing_class = self._load_model(model, processing_class, peft_config)
@@ -498,7 +522,7 @@ def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) ->
     for f in funcs:
         if isinstance(f, RewardModel):
             f.chat_template_kwargs = _as_dict(self.args.chat_template_kwargs)
-    check_reward_arguments(funcs, self.train_dataset.column_names)
+    check_reward_arguments(funcs, _column_names(self.train_dataset))
     if self.args.reward_weights is not None and len(self.args.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(self.args.reward_weights)} values for {len(funcs)} reward functions; "
                          "give one weight per function.")
@@ -525,6 +549,11 @@ def _make_optimizer(self: GRPOTrainer, model, optimizers):
 def _as_dict(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 
+
+def _column_names(dataset) -> list[str]:
+    "A dataset's columns; a stream that no longer knows them (after a map) is asked for its first row."
+    return dataset.column_names or list(next(iter(dataset)))
+
 # %% ../nbs/06_trainer.ipynb
 @patch
 def _check_lengths(self: GRPOTrainer, model) -> int:
@@ -533,7 +562,9 @@ def _check_lengths(self: GRPOTrainer, model) -> int:
     if not context:
         return args.max_completion_length
     kwargs = _as_dict(args.chat_template_kwargs)
-    lengths = prompt_token_lengths(self.train_dataset["prompt"], self.processing_class, chat_template_kwargs=kwargs)
+    prompts = [r["prompt"] for r in islice(self.train_dataset, STREAM_CHECK_ROWS)] if self.streaming \
+        else self.train_dataset["prompt"]
+    lengths = prompt_token_lengths(prompts, self.processing_class, chat_template_kwargs=kwargs)
     longest = max(lengths) if args.max_prompt_length is None else min(max(lengths), args.max_prompt_length)
     if longest >= context:
         row = lengths.index(max(lengths))
@@ -773,36 +804,53 @@ def _micro_batches(self: GRPOTrainer, rollout: Rollout, pos: Position) -> list[t
 
 
 @patch
+def _epoch_chunks(self: GRPOTrainer, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
+    "The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."
+    args, unique = self.args, self.plan.unique_prompts_per_generation
+    seed, shuffle = args.data_seed if args.data_seed is not None else args.seed, args.shuffle_dataset is not False
+    if not self.streaming:
+        chunks = generation_chunks(len(self.train_dataset), unique, seed, epoch, shuffle=shuffle)
+        for index in range(start, len(chunks)):
+            yield self.train_dataset.select(chunks[index]).to_list(), len(chunks)
+        return
+    stream = self.train_dataset.shuffle(seed=seed) if shuffle else self.train_dataset
+    stream.set_epoch(epoch)
+    read = 0
+    for index, rows, last in stream_chunks(stream, unique, start):
+        read += 1
+        yield rows, index + 1 if last else None      # a stream's length is known at its last batch only
+    if start == 0 and not read:
+        raise ValueError(f"epoch {epoch} of the stream holds fewer than {unique} prompts, the unique prompts of one "
+                         "generation batch: give a longer stream, or fewer completions per step "
+                         "(per_device_train_batch_size x gradient_accumulation_steps / num_generations).")
+
+
+@patch
 def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None) -> Iterator[MicroStep]:
     "Every micro-step of the run from `pos`, as one flat stream (endless: the loop stops at max_steps)."
-    args, plan, acc = self.args, self.plan, self.accelerator
+    args, acc = self.args, self.accelerator
     ga, mu = args.gradient_accumulation_steps, args.num_iterations
-    chunks_epoch, batches = None, None
     while True:
-        if chunks_epoch != pos.epoch:            # the shuffle of an epoch, computed once per epoch
-            chunks = generation_chunks(len(self.train_dataset), plan.unique_prompts_per_generation,
-                                       args.data_seed if args.data_seed is not None else args.seed, pos.epoch,
-                                       shuffle=args.shuffle_dataset is not False)
-            chunks_epoch = pos.epoch
-        if rollout is None:
-            rows = expand_groups(chunks[pos.generation], args.num_generations)
-            rollout = self._generate_and_score(self.train_dataset.select(rows[process_rows(len(rows), acc.num_processes,
-                                                                                          acc.process_index)]).to_list())
-            batches = None
-        if batches is None:                      # a rollout's micro-batches, cut once per rollout
-            batches = self._micro_batches(rollout, pos)
-        in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
-        per_epoch = len(chunks) * mu * len(batches)
-        after = _advance(pos, len(batches), mu, len(chunks))
-        ends_epoch = in_epoch + 1 == per_epoch
-        yield MicroStep(rollout.select(batches[pos.micro]), rollout, sync=(in_epoch + 1) % ga == 0 or ends_epoch,
-                        ends_epoch=ends_epoch, after=after, epoch=pos.epoch + (in_epoch + 1) / per_epoch)
-        if after.generation != pos.generation or after.epoch != pos.epoch:
-            rollout, batches = None, None
-        pos = after
+        for prompts, n_generations in self._epoch_chunks(pos.epoch, pos.generation):
+            if rollout is None:
+                rows = expand_groups(prompts, args.num_generations)
+                rollout = self._generate_and_score(rows[process_rows(len(rows), acc.num_processes, acc.process_index)])
+            batches = self._micro_batches(rollout, pos)      # a rollout's micro-batches, cut once per rollout
+            # a stream's epoch length is unknown: progress counts against max_steps, as in the HF Trainer
+            per_epoch = args.max_steps * ga if self.streaming else n_generations * mu * len(batches)
+            current = (pos.epoch, pos.generation)
+            while (pos.epoch, pos.generation) == current:
+                in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
+                after = _advance(pos, len(batches), mu, n_generations or math.inf)
+                ends_epoch = after.epoch != pos.epoch
+                yield MicroStep(rollout.select(batches[pos.micro]), rollout, sync=(in_epoch + 1) % ga == 0 or ends_epoch,
+                                ends_epoch=ends_epoch, after=after,
+                                epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch)
+                pos = after
+            rollout = None
 
 
-def _advance(pos: Position, n_micro: int, num_iterations: int, n_generations: int) -> Position:
+def _advance(pos: Position, n_micro: int, num_iterations: int, n_generations: int | float) -> Position:
     "The position after one micro-step: next micro-batch, pass, generation batch or epoch."
     nxt = dataclasses.replace(pos, micro=pos.micro + 1)
     if nxt.micro == n_micro:
@@ -1000,10 +1048,10 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eva
     args, acc = self.args, self.accelerator
     G = args.num_generations_eval or args.num_generations
     prompts_per_batch = max(1, args.per_device_eval_batch_size * acc.num_processes // G)
-    window = []
-    for start in range(0, len(dataset), prompts_per_batch):
-        rows = expand_groups(list(range(start, min(start + prompts_per_batch, len(dataset)))), G)
-        mine = dataset.select(rows[process_rows(len(rows), acc.num_processes, acc.process_index)]).to_list()
+    window, prompt_rows = [], iter(dataset)
+    while prompts := list(islice(prompt_rows, prompts_per_batch)):      # a Dataset or a (finite) stream, in order
+        rows = expand_groups(prompts, G)
+        mine = rows[process_rows(len(rows), acc.num_processes, acc.process_index)]
         texts, p_ids, p_mask, c_ids, c_mask, truncated = self._generate(mine)
         id_lists = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
         decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
