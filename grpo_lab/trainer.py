@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'REFUSED_OPTIONS', 'GRPOConfig', 'generation_chunks', 'expand_groups', 'process_rows', 'stream_chunks',
            'tokenize_prompts', 'generation_config', 'completion_mask', 'sample_completions', 'Rollout',
-           'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'Position', 'MicroStep', 'plot_history']
+           'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep',
+           'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 @dataclass
@@ -195,7 +196,6 @@ REFUSED_OPTIONS = {
     "max_tool_calling_iterations": "tool calling is not supported",
     "log_completions_hub_repo": "completions are written to output_dir/completions.jsonl, never pushed to a hub",
     "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",
-    "use_adaptive_entropy": "the adaptive entropy controller is not implemented yet (a fixed entropy_coef is)",
     "deepspeed": "grpo-lab takes DeepSpeed from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
     "fsdp": "grpo-lab takes FSDP from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
     "torch_compile": "torch.compile is not supported by the GRPO loop",
@@ -259,6 +259,9 @@ def _check_ranges(cfg) -> None:
     _check(cfg.epsilon >= 0 and (cfg.epsilon_high is None or cfg.epsilon_high >= 0),
            f"epsilon={cfg.epsilon} and epsilon_high={cfg.epsilon_high} must be >= 0.")
     _check(0 < cfg.top_entropy_quantile <= 1, f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1].")
+    _check(not cfg.use_adaptive_entropy or (cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef_max),
+           f"use_adaptive_entropy=True needs entropy_coef_delta >= 0 and entropy_coef_min <= entropy_coef_max; got "
+           f"delta={cfg.entropy_coef_delta}, min={cfg.entropy_coef_min}, max={cfg.entropy_coef_max}.")
     _check(cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations} must be >= 1.")
     _check(cfg.max_steps != 0, "max_steps=0 would train nothing; use -1 to train num_train_epochs, or a positive number.")
     _check(cfg.max_steps > 0 or (float(cfg.num_train_epochs).is_integer() and cfg.num_train_epochs >= 1),
@@ -443,6 +446,8 @@ class GRPOTrainer:
         self.eos_ids = eos_token_ids(model, self.processing_class)
         self.max_new_tokens = self._check_lengths(model)
         self.ref_model = make_reference(model, args.beta)
+        self.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
+        self._entropy_window = torch.zeros(2, dtype=torch.float64)     # entropy sum, tokens: this optimizer step
         self.optimizer, self.lr_scheduler = self._make_optimizer(model, optimizers)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         _seed_process(args.seed, self.accelerator.process_index)
@@ -714,6 +719,8 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     logps, entropies = completion_logps(self.model, input_ids, attention_mask, mb.completion_ids.size(1),
                                         temperature=args.temperature, compute_entropy=True)
     gathered = acc.gather(entropies[mb.completion_mask.bool()]) if args.top_entropy_quantile < 1 else None
+    if self.entropy_control is not None:
+        self._add_to_entropy_window(entropies.detach(), mb.completion_mask, gathered)
     loss, stats = grpo_loss(
         logps, mb.old_logps, mb.advantages, mb.completion_mask, ref_per_token_logps=mb.ref_logps, beta=args.beta,
         epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
@@ -724,7 +731,7 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
         vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
         vespo_lambda_neg=args.vespo_lambda_neg, entropies=entropies, top_entropy_quantile=args.top_entropy_quantile,
         gathered_entropies=gathered, off_policy_mask_threshold=args.off_policy_mask_threshold,
-        sampling_per_token_logps=mb.old_logps, entropy_coef=args.entropy_coef or None,
+        sampling_per_token_logps=mb.old_logps, entropy_coef=self._entropy_coef(),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         num_processes=acc.num_processes, steps_per_generation=self.plan.steps_per_generation)
     return loss, self._gather_stats(stats)
@@ -758,7 +765,7 @@ def _optimizer_step(self: GRPOTrainer, losses: list[float], stats: list[dict], r
     self.lr_scheduler.step()
     self.optimizer.zero_grad()
     return {"loss": sum(losses), "grad_norm": grad_norm, "learning_rate": learning_rate,
-            **rollout.metrics, **_reduce_stats(stats)}
+            **rollout.metrics, **_reduce_stats(stats), **self._update_entropy_coef()}
 
 
 _COUNTS = ("num_tokens", "num_sequences", "num_ratios")   # weights for combining stats, not metrics
@@ -772,6 +779,61 @@ def _reduce_stats(stats: list[dict]) -> dict:
             values = [s[key] for s in stats if key in s and not math.isnan(s[key])]
             out[key] = float(np.mean(values)) if values else math.nan
     return out
+
+# %% ../nbs/06_trainer.ipynb
+@dataclass
+class AdaptiveEntropy:
+    "TRL's adaptive entropy coefficient: moved by `delta` after each step, applied while entropy <= `target`."
+    coef: float
+    target: float
+    delta: float
+    coef_min: float
+    coef_max: float
+    last_entropy: float = math.inf      # the previous step's entropy; none measured yet: no bonus
+
+    @classmethod
+    def from_config(cls, args) -> "AdaptiveEntropy":
+        return cls(args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
+                   args.entropy_coef_max)
+
+    def applied(self) -> float:
+        "The coefficient this step's micro-batches use: `coef` if the last step's entropy was at or below target."
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> float:
+        "After an optimizer step whose mean token entropy was `entropy`: move `coef` one `delta`, within bounds."
+        step = self.delta if entropy <= self.target else -self.delta
+        self.coef = min(max(self.coef + step, self.coef_min), self.coef_max)
+        self.last_entropy = entropy
+        return self.coef
+
+# %% ../nbs/06_trainer.ipynb
+@patch
+def _entropy_coef(self: GRPOTrainer) -> float | None:
+    "The entropy bonus coefficient of this step's micro-batches (None: no bonus)."
+    if self.entropy_control is not None:
+        return self.entropy_control.applied()
+    return self.args.entropy_coef or None
+
+
+@patch
+def _add_to_entropy_window(self: GRPOTrainer, entropies: torch.Tensor, completion_mask: torch.Tensor, gathered):
+    "Add a micro-batch's entropy sum and token count (the tokens the loss keeps) to the step's window."
+    kept = completion_mask.float()
+    if self.args.top_entropy_quantile < 1:
+        kept = kept * high_entropy_mask(entropies, completion_mask, 1 - self.args.top_entropy_quantile, gathered)
+    self._entropy_window += torch.stack([(entropies.float() * kept).sum(), kept.sum()]).double().cpu()
+
+
+@patch
+def _update_entropy_coef(self: GRPOTrainer) -> dict:
+    "At an optimizer step: update the adaptive coefficient from the step's entropy; `entropy_coef` to log (TRL's)."
+    if self.entropy_control is None:
+        return {"entropy_coef": self.args.entropy_coef} if self.args.entropy_coef else {}
+    acc = self.accelerator
+    total = acc.gather(self._entropy_window.to(acc.device).reshape(1, 2)).sum(0)
+    self._entropy_window = torch.zeros(2, dtype=torch.float64)
+    return {"entropy_coef": self.entropy_control.update((total[0] / total[1].clamp(min=1)).item())}
 
 # %% ../nbs/06_trainer.ipynb
 @dataclass
@@ -1156,8 +1218,10 @@ def _save_main_files(self: GRPOTrainer, path: Path):
     torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
     torch.save(self.lr_scheduler.state_dict(), path / "scheduler.pt")
     self.state.save_to_json(str(path / "trainer_state.json"))
+    control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
     (path / "grpo_lab_state.json").write_text(json.dumps(
-        {"num_processes": self.accelerator.num_processes, "batch": _batch_options(self.args)}, indent=1))
+        {"num_processes": self.accelerator.num_processes, "batch": _batch_options(self.args),
+         "entropy_control": control}, indent=1))
 
 
 def _batch_options(args) -> dict:
@@ -1271,6 +1335,9 @@ def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
     self.optimizer.load_state_dict(_load(path / "optimizer.pt", "optimizer state"))
     self.lr_scheduler.load_state_dict(_load(path / "scheduler.pt", "scheduler state"))
     self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+    if self.entropy_control is not None and info.get("entropy_control"):
+        saved_control = info["entropy_control"]
+        self.entropy_control.coef, self.entropy_control.last_entropy = saved_control["coef"], saved_control["last_entropy"]
     saved = _load(path / f"process_{self.accelerator.process_index}.pt", "data position and random state")
     _set_rng_state(saved["rng"])
     self._last_checkpoint = path

@@ -354,3 +354,43 @@ def test_a_trl_style_script_with_a_reward_model_by_path_and_a_function(tmp_path)
     logged = trainer.history[-1]
     assert {"rewards/tiny-reward-model/mean", "rewards/exact_answer/mean"} <= set(logged)
     assert logged["rewards/tiny-reward-model/std"] > 0          # the model scores completions differently
+
+
+def test_adaptive_entropy_rule_by_hand():
+    "TRL's rule: +delta at or below the target, -delta above, clamped; the bonus applies after a step at or below."
+    from grpo_lab.trainer import AdaptiveEntropy
+    control = AdaptiveEntropy(coef=0.01, target=0.5, delta=0.004, coef_min=0.002, coef_max=0.016)
+    assert control.applied() == 0.0                       # no entropy measured yet: no bonus in the first step
+    assert control.update(0.5) == pytest.approx(0.014) and control.applied() == pytest.approx(0.014)
+    assert control.update(0.1) == pytest.approx(0.016)    # 0.018 clamped to coef_max
+    assert control.update(0.6) == pytest.approx(0.012) and control.applied() == 0.0
+    for _ in range(5):
+        control.update(2.0)
+    assert control.coef == pytest.approx(0.002)           # clamped to coef_min
+
+
+@pytest.mark.parametrize("target,direction", [(5.0, +1), (0.01, -1)])
+def test_adaptive_entropy_coefficient_follows_the_measured_entropy(tmp_path, target, direction):
+    "The tiny model's entropy is ~0.5-0.9 nats: a target above it raises the coefficient each step, below lowers it."
+    args = small_args(tmp_path, max_steps=4, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.02,
+                      entropy_coef_min=0.0, entropy_coef_max=0.1, entropy_target=target, gradient_accumulation_steps=2)
+    trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32))
+    trainer.train()
+    coefs = [h["entropy_coef"] for h in trainer.history]
+    expected = [min(max(0.05 + direction * 0.02 * k, 0.0), 0.1) for k in range(1, 5)]
+    assert coefs == pytest.approx(expected)
+    assert all("policy_loss" in h for h in trainer.history)
+
+
+def test_adaptive_entropy_state_survives_resume(tmp_path):
+    kw = dict(max_steps=5, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.02, entropy_target=5.0,
+              save_strategy="steps", save_steps=1)
+    full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=arithmetic_task(32))
+    full.train()
+    saved = json.loads((tmp_path / "full" / "checkpoint-2" / "grpo_lab_state.json").read_text())["entropy_control"]
+    assert saved["coef"] == pytest.approx(0.09) and saved["last_entropy"] < 5.0
+    resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=arithmetic_task(32))
+    resumed.train(resume_from_checkpoint=tmp_path / "full" / "checkpoint-2")
+    assert [h["entropy_coef"] for h in resumed.history] == [h["entropy_coef"] for h in full.history]
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+    assert same_weights(weights(full), weights(resumed))
