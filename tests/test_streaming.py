@@ -86,3 +86,66 @@ def test_resuming_a_shuffled_stream_mid_rollout_reproduces_the_uninterrupted_run
     assert all(torch.equal(a[k], b[k]) for k in a)
     logged = [json.loads(l)["step"] for l in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 12))
+
+
+
+def test_a_streamed_prompt_too_long_for_the_model_is_refused_before_training(tmp_path):
+    rows = arithmetic_task(5).to_list() + [{"prompt": "1" * 100, "answer": "1"}] + arithmetic_task(10).to_list()
+    with pytest.raises(ValueError, match=r"prompt 5 has 100 tokens but the model reads at most 64 positions"):
+        GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=2),
+                    train_dataset=IterableDataset.from_generator(lambda: iter(rows)))
+
+
+def test_a_finite_stream_can_be_the_eval_dataset(tmp_path):
+    args = small_args(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
+    trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=stream(8), eval_dataset=stream(6))
+    trainer.train()
+    evaluated = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert len(evaluated) == 1 and 0 <= evaluated[0]["eval_reward"] <= 1
+
+TWO_PROCESS_SCRIPT = '''
+import json, sys
+from datasets import IterableDataset
+from grpo_lab.data import arithmetic_task
+from grpo_lab.models import tiny_model_path
+from grpo_lab.rewards import exact_answer
+from grpo_lab.trainer import GRPOConfig, GRPOTrainer
+
+out, rows, result = sys.argv[1], arithmetic_task(12, seed=3).to_list(), {}
+for name, data in [("stream", IterableDataset.from_generator(lambda: iter(rows))), ("dataset", arithmetic_task(12, seed=3))]:
+    seen = []
+    def reward(prompts, completions, **kw):
+        seen.append(prompts)
+        return exact_answer(prompts, completions, **kw)
+    args = GRPOConfig(output_dir=f"{out}/{name}", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      num_generations=4, max_steps=4, shuffle_dataset=False, learning_rate=1e-3, max_completion_length=5,
+                      logging_steps=1, save_strategy="no", disable_tqdm=True, gradient_checkpointing=False)
+    trainer = GRPOTrainer(str(tiny_model_path()), reward, args=args, train_dataset=data)
+    trainer.train()
+    result[name] = {"seen": seen, "rewards": [h["reward"] for h in trainer.history]}
+rank = trainer.accelerator.process_index
+json.dump(result, open(f"{out}/rank{rank}.json", "w"))
+'''
+
+
+def test_two_processes_share_a_stream_as_they_share_a_dataset(tmp_path):
+    "Each process generates for its own half of every generation batch, the same rows a Dataset would give it."
+    import subprocess
+    from conftest import ROOT, bin_path
+    from grpo_lab.scale import export_run
+    from test_scale import free_port, launch_env
+
+    out = export_run(ROOT / "configs" / "tiny-cpu.yaml", tmp_path / "export", num_processes=2, cpu=True)
+    (tmp_path / "run.py").write_text(TWO_PROCESS_SCRIPT)
+    r = subprocess.run([bin_path("accelerate"), "launch", "--config_file", str(out / "accelerate_config.yaml"),
+                        "--main_process_port", str(free_port()), str(tmp_path / "run.py"), str(tmp_path)],
+                       env=launch_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    prompts = list(arithmetic_task(12, seed=3)["prompt"])
+    # 4 completions x 2 processes x 2 accumulation steps = 4 prompts per generation batch; rank 0 gets the first 2
+    for rank, result in enumerate(ranks):
+        assert result["stream"]["seen"] == result["dataset"]["seen"]
+        assert result["stream"]["seen"][0] == [p for p in prompts[2 * rank:2 * rank + 2] for _ in range(4)]
+        assert result["stream"]["seen"][3] == result["stream"]["seen"][0]             # 12 prompts: 3 batches, then again
+    assert ranks[0]["stream"]["rewards"] == ranks[0]["dataset"]["rewards"] == ranks[1]["stream"]["rewards"]

@@ -394,3 +394,12 @@ def test_adaptive_entropy_state_survives_resume(tmp_path):
     assert [h["entropy_coef"] for h in resumed.history] == [h["entropy_coef"] for h in full.history]
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
     assert same_weights(weights(full), weights(resumed))
+
+
+def test_a_fixed_entropy_coef_is_applied_every_step_and_logged_as_trl_logs_it(tmp_path):
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=2, entropy_coef=0.1),
+                          train_dataset=arithmetic_task(16))
+    trainer.train()
+    for h in trainer.history:
+        assert h["entropy_coef"] == 0.1
+        assert h["loss"] == pytest.approx(h["policy_loss"] - 0.1 * h["entropy"], abs=1e-5)
