@@ -840,7 +840,7 @@ def _update_entropy_coef(self: GRPOTrainer) -> dict:
 class Position:
     "Where a run is in its stream of data: the next micro-step to take."
     epoch: int = 0
-    generation: int = 0      # generation batch within the epoch
+    generation: int = 0      # generation batch within the epoch (for a stream: the batches read so far)
     iteration: int = 0       # pass over the rollout (num_iterations)
     micro: int = 0           # micro-batch within the pass
 
