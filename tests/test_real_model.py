@@ -154,3 +154,19 @@ def test_logged_dapo_loss_does_not_depend_on_accumulation(smollm2_folder, tmp_pa
     assert seen_1 == seen_2                                        # the same rollout in both runs
     loss_1, loss_2 = one.history[0]["loss"], two.history[0]["loss"]
     assert abs(loss_1) > 1e-3 and math.isclose(loss_1, loss_2, rel_tol=1e-3, abs_tol=1e-5), (loss_1, loss_2)
+
+
+def test_smollm2_demo_runs_a_step_and_reports(smollm2_folder, tmp_path):
+    "`grpo-lab demo --model smollm2` at test size: chat prompts, LoRA recipe, numeric accuracy before/after, the seeds plot."
+    from grpo_lab.cli import DEMO_RECIPES, chat_addition_task, run_demo_seeds
+    recipe = DEMO_RECIPES["smollm2"]
+    assert recipe.lora_r and recipe.reward == "numeric_answer"
+    summaries = run_demo_seeds(tmp_path / "demo", [0], model="smollm2", steps=1, eval_size=4, eval_every=1, quiet=True)
+    summary, = summaries
+    assert summary["steps"] == 1 and summary["recipe"]["lora_r"] == recipe.lora_r
+    assert [step for step, _ in summary["accuracy_curve"]] == [0, 1]
+    assert all(0 <= acc <= 1 for _, acc in summary["accuracy_curve"]) and summary["peak_memory_mib"] > 100
+    assert (tmp_path / "demo" / "seeds.png").stat().st_size > 1000
+    assert (tmp_path / "demo" / "seed-0" / "adapter_config.json").exists()   # a LoRA adapter, not 500 MB of weights
+    held = chat_addition_task(4, seed=12345)
+    assert held["prompt"][0][0]["role"] == "user" and "Answer with just the number." in held["prompt"][0][0]["content"]
