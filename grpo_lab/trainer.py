@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ import torch
 from accelerate import Accelerator
 from datasets import IterableDataset
 from fastcore.basics import patch
-from transformers import GenerationConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, get_scheduler
+from transformers import DynamicCache, GenerationConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput
@@ -42,9 +43,9 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'REFUSED_OPTIONS', 'GRPOConfig', 'generation_chunks', 'expand_groups', 'process_rows', 'stream_chunks',
-           'tokenize_prompts', 'generation_config', 'completion_mask', 'sample_completions', 'Rollout',
-           'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep',
-           'plot_history']
+           'tokenize_prompts', 'generation_config', 'completion_mask', 'prompt_groups', 'prefill_once_per_prompt',
+           'sample_completions', 'Rollout', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer',
+           'AdaptiveEntropy', 'Position', 'MicroStep', 'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 @dataclass
@@ -351,12 +352,48 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: int | list[int]):
     return mask, ~is_eos.any(1)
 
 # %% ../nbs/06_trainer.ipynb
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`(B,)` True where a run of identical consecutive prompt rows starts, and `(B,)` the run (group) of each row."
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    starts = torch.cat([same.new_ones(1), ~same])
+    return starts, starts.long().cumsum(0) - 1
+
+
+def _can_share_prefill(model, gen_config: GenerationConfig, prompt_ids: torch.Tensor) -> bool:
+    "Shared prefill needs a plain dynamic cache, one beam and a decoder-only model (anything else: plain generate)."
+    return (prompt_ids.size(1) > 1 and gen_config.use_cache is not False and (gen_config.num_beams or 1) == 1
+            and gen_config.cache_implementation is None and getattr(gen_config, "prefill_chunk_size", None) is None
+            and not getattr(model.config, "is_encoder_decoder", False))
+
+
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int]):
+def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
+    "KV cache of every row's prompt but its last token, computed once per group of identical rows; None if no row repeats."
+    starts, group = prompt_groups(prompt_ids, prompt_mask)
+    if starts.all():
+        return None
+    ids, mask = prompt_ids[starts, :-1], prompt_mask[starts, :-1]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    accepts = inspect.signature(base.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+    if "position_ids" in accepts:     # as generate numbers a left-padded row: from its first real token
+        extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = DynamicCache(config=base.config)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
+    cache.batch_select_indices(group.to(ids.device))      # one copy of its group's cache per row
+    return cache
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
+                       share_prefill: bool = True):
     "Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`."
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
+    cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask) \
+        if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
+                         **({} if cache is None else {"past_key_values": cache}))
     model.train(was_training)
     completion_ids = out[:, prompt_ids.size(1):]
     mask, truncated = completion_mask(completion_ids, eos_ids)

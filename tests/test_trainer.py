@@ -403,3 +403,109 @@ def test_a_fixed_entropy_coef_is_applied_every_step_and_logged_as_trl_logs_it(tm
     for h in trainer.history:
         assert h["entropy_coef"] == 0.1
         assert h["loss"] == pytest.approx(h["policy_loss"] - 0.1 * h["entropy"], abs=1e-5)
+
+
+# --- generation: one prefill per prompt, its cache shared by the prompt's G completions ---
+
+def _random_qwen(vocab: int, seed: int = 0):
+    "A 2-layer random-weight Qwen2 (sliding-window layer types included): completions that never stop early."
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _grouped_prompts(tok, G=4):
+    from grpo_lab.trainer import tokenize_prompts
+    return tokenize_prompts(tok, [p for p in ["12+7=", "3+45=", "100+200=", "9="] for _ in range(G)])[:2]
+
+
+def _sample(model, tok, ids, mask, config, share, seed=0):
+    from grpo_lab.trainer import sample_completions
+    torch.manual_seed(seed)
+    return sample_completions(model, tok, ids, mask, config, [], share_prefill=share)[0]
+
+
+@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True),
+                                      dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01,
+                                           repetition_penalty=1.3)])
+def test_shared_prefill_samples_what_plain_generate_samples(settings):
+    "Same seed, same completions (greedy and sampled, with every sampling knob), left-padded prompts of 4 lengths."
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids, mask = _grouped_prompts(tok)
+    assert (mask == 0).any()                                           # some rows are padded
+    for model in (AutoModelForCausalLM.from_pretrained(TINY).eval(), _random_qwen(len(tok))):
+        config = GenerationConfig(max_new_tokens=12, pad_token_id=tok.pad_token_id, eos_token_id=[], **settings)
+        plain, shared = _sample(model, tok, ids, mask, config, False), _sample(model, tok, ids, mask, config, True)
+        assert plain.shape == (16, 12) and torch.equal(plain, shared)
+        if settings["do_sample"]:
+            assert len({tuple(r) for r in shared[:4].tolist()}) > 1       # still G different samples per prompt
+
+
+def test_shared_prefill_logits_match_plain_generate():
+    "Step by step, the logits of generate from the shared cache equal plain generate's within float tolerance."
+    from transformers import AutoTokenizer, GenerationConfig
+    from grpo_lab.trainer import prefill_once_per_prompt
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids, mask = _grouped_prompts(tok)
+    model = _random_qwen(len(tok))
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id, eos_token_id=[],
+                              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        shared = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                past_key_values=prefill_once_per_prompt(model, ids, mask))
+    assert torch.equal(plain.sequences, shared.sequences)
+    for a, b in zip(plain.logits, shared.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefill_reads_each_prompt_once():
+    "The prefill forward sees the unique prompts only (4 rows for 16 completions); generate then feeds 1 token a row."
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids, mask = _grouped_prompts(tok)
+    model = AutoModelForCausalLM.from_pretrained(TINY).train()
+    shapes = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: shapes.append(tuple(inp[0].shape)))
+    config = GenerationConfig(do_sample=True, max_new_tokens=3, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    _sample(model, tok, ids, mask, config, True)
+    hook.remove()
+    assert shapes[0] == (4, ids.size(1) - 1) and all(s == (16, 1) for s in shapes[1:]), shapes
+    assert model.training                                               # the caller's mode is restored
+
+
+def test_shared_prefill_falls_back_to_plain_generate():
+    "No repeated row, a static cache or beam search: plain generate (no shared cache is built)."
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from grpo_lab.trainer import _can_share_prefill, prefill_once_per_prompt, prompt_groups, tokenize_prompts
+    tok = AutoTokenizer.from_pretrained(TINY)
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    ids, mask, _ = tokenize_prompts(tok, ["1+1=", "2+2=", "1+1="])
+    assert prompt_groups(ids, mask)[1].tolist() == [0, 1, 2]            # only consecutive copies form a group
+    assert prefill_once_per_prompt(model, ids, mask) is None
+    base = dict(do_sample=True, max_new_tokens=3, pad_token_id=tok.pad_token_id)
+    assert _can_share_prefill(model, GenerationConfig(**base), ids)
+    assert not _can_share_prefill(model, GenerationConfig(**base, cache_implementation="static"), ids)
+    assert not _can_share_prefill(model, GenerationConfig(**base, num_beams=2), ids)
+    assert not _can_share_prefill(model, GenerationConfig(**base, use_cache=False), ids)
+
+
+def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypatch):
+    "The trainer's _generate (LoRA model, G=4) draws the same completions whether the prefill is shared or not."
+    import grpo_lab.trainer as trainer_module
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, lora_r=4, lora_alpha=8, seed=3,
+                                                              max_completion_length=8),
+                          train_dataset=arithmetic_task(8, seed=1))
+    rows = trainer.train_dataset.select([i for i in (0, 1) for _ in range(4)]).to_list()
+    calls = []
+    real = trainer_module.prefill_once_per_prompt
+    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    shared = trainer._generate(rows)[3]
+    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: None)
+    torch.manual_seed(0)
+    plain = trainer._generate(rows)[3]
+    assert calls and torch.equal(shared, plain)
