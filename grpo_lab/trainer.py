@@ -42,10 +42,10 @@ from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_fu
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'REFUSED_OPTIONS', 'GRPOConfig', 'generation_chunks', 'expand_groups', 'process_rows', 'stream_chunks',
-           'tokenize_prompts', 'generation_config', 'completion_mask', 'prompt_groups', 'prefill_once_per_prompt',
-           'sample_completions', 'Rollout', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer',
-           'AdaptiveEntropy', 'Position', 'MicroStep', 'plot_history']
+__all__ = ['logger', 'REFUSED_OPTIONS', 'SHARED_PREFILL_MIN_FLOPS', 'GRPOConfig', 'generation_chunks', 'expand_groups',
+           'process_rows', 'stream_chunks', 'tokenize_prompts', 'generation_config', 'completion_mask', 'prompt_groups',
+           'prefill_once_per_prompt', 'prefill_saving', 'sample_completions', 'Rollout', 'TrainingInterrupted',
+           'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep', 'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 @dataclass
@@ -384,12 +384,26 @@ def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     return cache
 
 
+# Prompt work (FLOPs) the shared prefill must save to pay for its one extra forward call; CPU measured, the rest a guess
+SHARED_PREFILL_MIN_FLOPS = {"cpu": 2e9, "cuda": 1e12}
+
+
+def prefill_saving(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> float:
+    "About the FLOPs a shared prefill saves: 2 x parameters (embeddings aside) x prompt tokens not read again."
+    starts, _ = prompt_groups(prompt_ids, prompt_mask)
+    repeats = len(starts) - int(starts.sum())
+    return 2.0 * model.num_parameters(exclude_embeddings=True) * repeats * (prompt_ids.size(1) - 1)
+
+
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
-                       share_prefill: bool = True):
+                       share_prefill: bool | None = None):
     "Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`."
     was_training = model.training
     model.eval()
+    if share_prefill is None:       # automatic: share where the prompt work saved outweighs one more forward call
+        share_prefill = prefill_saving(model, prompt_ids, prompt_mask) >= \
+            SHARED_PREFILL_MIN_FLOPS.get(prompt_ids.device.type, SHARED_PREFILL_MIN_FLOPS["cuda"])
     cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask) \
         if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,

@@ -500,6 +500,7 @@ def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypa
                                                               max_completion_length=8),
                           train_dataset=arithmetic_task(8, seed=1))
     rows = trainer.train_dataset.select([i for i in (0, 1) for _ in range(4)]).to_list()
+    monkeypatch.setitem(trainer_module.SHARED_PREFILL_MIN_FLOPS, "cpu", 0)   # the tiny model is below the default
     calls = []
     real = trainer_module.prefill_once_per_prompt
     monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: calls.append(1) or real(*a))
@@ -509,3 +510,22 @@ def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypa
     torch.manual_seed(0)
     plain = trainer._generate(rows)[3]
     assert calls and torch.equal(shared, plain)
+
+
+def test_shared_prefill_by_default_only_where_it_saves_enough(monkeypatch):
+    "share_prefill=None: plain generate for the tiny model's small prompts, shared once the saving passes the bar."
+    import grpo_lab.trainer as trainer_module
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids, mask = _grouped_prompts(tok)
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    saving = trainer_module.prefill_saving(model, ids, mask)
+    assert saving == 2 * model.num_parameters(exclude_embeddings=True) * 12 * (ids.size(1) - 1)   # 12 rows not re-read
+    config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    calls = []
+    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: calls.append(1))
+    trainer_module.sample_completions(model, tok, ids, mask, config, [])
+    assert calls == [] and saving < trainer_module.SHARED_PREFILL_MIN_FLOPS["cpu"]
+    monkeypatch.setitem(trainer_module.SHARED_PREFILL_MIN_FLOPS, "cpu", saving)
+    trainer_module.sample_completions(model, tok, ids, mask, config, [])
+    assert calls == [1]
