@@ -223,14 +223,17 @@ class DemoRecipe:
     max_new_tokens: int         # completion length limit
     eval_size: int              # held-out problems, scored greedily before, during and after training
     eval_every: int
-    reward: str                 # training reward and held-out accuracy rule, a name in grpo_lab.rewards
+    rewards: tuple[str, ...]    # training rewards, names in grpo_lab.rewards (summed, as TRL does)
+    accuracy: str               # held-out accuracy rule: the share of greedy completions this reward scores 1
 
 
 DEMO_RECIPES = {
     "tiny": DemoRecipe(steps=600, num_generations=8, prompts_per_step=16, learning_rate=5e-5, lora_r=None,
-                       max_new_tokens=5, eval_size=500, eval_every=50, reward="exact_answer"),
+                       max_new_tokens=5, eval_size=500, eval_every=50, rewards=("exact_answer",),
+                       accuracy="exact_answer"),
     "smollm2": DemoRecipe(steps=24, num_generations=4, prompts_per_step=2, learning_rate=2e-4, lora_r=16,
-                          max_new_tokens=16, eval_size=200, eval_every=12, reward="numeric_answer"),
+                          max_new_tokens=16, eval_size=200, eval_every=12, rewards=("numeric_answer",),
+                          accuracy="numeric_answer"),
 }
 
 # %% ../nbs/09_cli.ipynb
@@ -244,9 +247,10 @@ def chat_addition_task(n: int, seed: int = 0, low: int = 10, high: int = 99, exc
     if n < 1 or not 0 <= low <= high:
         raise CLIError(f"chat_addition_task needs n >= 1 and 0 <= low <= high, got n={n}, low={low}, high={high}.")
     skip = {p[0]["content"] if isinstance(p, list) else p for p in exclude}
-    if (high - low + 1) ** 2 < 2 * (len(skip) + n):
-        raise CLIError(f"[{low}, {high}] has too few distinct sums for {n} prompts besides {len(skip)} excluded ones; "
-                       "widen the range or ask for fewer problems.")
+    if (high - low + 1) ** 2 < 2 * len(skip) or (not skip and (high - low + 1) ** 2 < n // 4):
+        raise CLIError(f"[{low}, {high}] has {(high - low + 1) ** 2} distinct sums: too few for {n} prompts besides "
+                       f"{len(skip)} excluded ones (repeats are allowed, but half of the problems must stay free); "
+                       "widen the range or exclude fewer.")
     rng, rows = random.Random(seed), {"prompt": [], "answer": []}
     while len(rows["answer"]) < n:
         a, b = rng.randint(low, high), rng.randint(low, high)
@@ -365,10 +369,9 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
                          eval_every=eval_every)
     model_path, train_set, held_out = demo_problems(model, seed, recipe.eval_size)
     out = _demo_folder(output_dir, overwrite)
-    reward = getattr(rewards, recipe.reward)
-    callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, reward)
+    callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, getattr(rewards, recipe.accuracy))
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), reward, args=demo_config(str(out), recipe, seed, load_in_4bit),
+    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, load_in_4bit),
                           train_dataset=train_set, callbacks=[callback])
     trainer.train()
     seconds = time.perf_counter() - t0

@@ -160,7 +160,7 @@ def test_smollm2_demo_runs_a_step_and_reports(smollm2_folder, tmp_path):
     "`grpo-lab demo --model smollm2` at test size: chat prompts, LoRA recipe, numeric accuracy before/after, the seeds plot."
     from grpo_lab.cli import DEMO_RECIPES, chat_addition_task, run_demo_seeds
     recipe = DEMO_RECIPES["smollm2"]
-    assert recipe.lora_r and recipe.reward == "numeric_answer"
+    assert recipe.lora_r and recipe.accuracy == "numeric_answer"
     summaries = run_demo_seeds(tmp_path / "demo", [0], model="smollm2", steps=1, eval_size=4, eval_every=1, quiet=True)
     summary, = summaries
     assert summary["steps"] == 1 and summary["recipe"]["lora_r"] == recipe.lora_r
