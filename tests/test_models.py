@@ -32,7 +32,7 @@ def test_shipped_model_accuracy_in_range(tiny):
     task = tiny_model_task()
     assert tokenizer.padding_side == "left" and tokenizer.pad_token_id == tokenizer.eos_token_id
     accuracy = greedy_accuracy(model, tokenizer, tiny_eval_problems(300), max_new_tokens=task["max_new_tokens"])
-    assert 0.25 <= accuracy <= 0.45, accuracy
+    assert 0.15 <= accuracy <= 0.3, accuracy   # warm-started to a validation accuracy of 0.2
     assert abs(accuracy - task["greedy_accuracy"]) < 0.08
 
 
