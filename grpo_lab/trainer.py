@@ -318,7 +318,8 @@ def _check_stream_length(streaming: bool, max_steps: int) -> None:
 # %% ../nbs/06_trainer.ipynb
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None = None, pad_to_multiple_of: int | None = None):
     "Left-padded `(input_ids, attention_mask)` `(B, P)` and how many prompts were cut from the left."
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    unique = {p: tokenizer(p, add_special_tokens=False)["input_ids"] for p in dict.fromkeys(prompts)}   # G copies: once
+    ids = [unique[p] for p in prompts]
     n_truncated = 0
     if max_prompt_length is not None:
         n_truncated = sum(len(x) > max_prompt_length for x in ids)
@@ -676,7 +677,10 @@ def _as_completion(text: str, prompt):
 def _generate(self: GRPOTrainer, rows: list[dict]):
     "Prompt texts, prompt tensors and sampled completions for `rows` (each prompt already repeated G times)."
     args, tok, device = self.args, self.processing_class, self.accelerator.device
-    texts = [render_prompt(r["prompt"], tok, chat_template_kwargs=_as_dict(args.chat_template_kwargs)) for r in rows]
+    template_kwargs, texts = _as_dict(args.chat_template_kwargs), []
+    for i, r in enumerate(rows):                           # a group's G copies of a prompt are rendered once
+        same = i > 0 and r["prompt"] == rows[i - 1]["prompt"]
+        texts.append(texts[-1] if same else render_prompt(r["prompt"], tok, chat_template_kwargs=template_kwargs))
     pad = args.pad_to_multiple_of if isinstance(args.pad_to_multiple_of, int) else None
     p_ids, p_mask, n_cut = tokenize_prompts(tok, texts, args.max_prompt_length, pad)
     if n_cut:

@@ -529,3 +529,19 @@ def test_shared_prefill_by_default_only_where_it_saves_enough(monkeypatch):
     monkeypatch.setitem(trainer_module.SHARED_PREFILL_MIN_FLOPS, "cpu", saving)
     trainer_module.sample_completions(model, tok, ids, mask, config, [])
     assert calls == [1]
+
+
+def test_generate_renders_and_tokenizes_each_prompt_once(tmp_path, monkeypatch):
+    "A group's G copies of a prompt are rendered and tokenized once; the texts and tensors are those of every row."
+    import grpo_lab.trainer as trainer_module
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=arithmetic_task(8, seed=1))
+    rows = trainer.train_dataset.select([i for i in (0, 1) for _ in range(4)]).to_list()
+    rendered, real_render = [], trainer_module.render_prompt
+    monkeypatch.setattr(trainer_module, "render_prompt", lambda p, *a, **k: rendered.append(p) or real_render(p, *a, **k))
+    tokenized, tok = [], trainer.processing_class
+    real_call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: tokenized.append(text) or real_call(self, text, *a, **k))
+    texts, p_ids, p_mask = trainer._generate(rows)[:3]
+    assert len(rendered) == 2 and len(tokenized) == 2
+    assert texts == [real_render(r["prompt"], tok) for r in rows] and p_ids.size(0) == 8
+    assert torch.equal(p_ids[:4], p_ids[0].expand(4, -1)) and not torch.equal(p_ids[0], p_ids[4])
