@@ -320,14 +320,18 @@ def _warn_nan(values: torch.Tensor, returned_none: list[bool], name: str):
                        name, len(nan_rows), len(values), nan_rows[0])
 
 
-def _warn_unscored(rewards: torch.Tensor, prompts: Sequence, completions: Sequence):
-    "Warn (logging) when some completions of the batch `(N, F)` were scored by no function, showing the first."
+def _warn_unscored(rewards: torch.Tensor, prompts: Sequence, completions: Sequence, columns: dict | None = None):
+    "Warn (logging) when some completions of the batch `(N, F)` were scored by no function, showing the first's inputs."
     rows = rewards.isnan().all(dim=1).nonzero().flatten().tolist() if rewards.shape[1] else []
     if rows:
-        logger.warning("no reward function scored %d of the %d completions (first: completion %d, prompt %s, "
-                       "completion %s); they get advantage 0. If a reward needs a column such as 'answer', check that "
-                       "the dataset has it; make sure at least one reward function returns a value.", len(rows),
-                       len(rewards), rows[0], _short(prompts[rows[0]]), _short(completions[rows[0]]))
+        first = rows[0]
+        inputs = {"prompt": prompts[first], "completion": completions[first],
+                  **{k: v[first] for k, v in (columns or {}).items() if k != "completion_ids"}}
+        # The opening words are TRL's, so that log filters written for TRL find this warning too.
+        logger.warning("All reward functions returned None for the following kwargs: %s; no reward function scored "
+                       "%d of the %d completions (first: completion %d); they get advantage 0. If a reward needs a "
+                       "column such as 'answer', check that the dataset has it; make sure at least one reward "
+                       "function returns a value.", _short(inputs, 400), len(rows), len(rewards), first)
 
 # %% ../nbs/01_rewards.ipynb
 def _as_values(values, name: str, n: int) -> list:
@@ -416,7 +420,7 @@ def score(reward_funcs, prompts: Sequence, completions: Sequence, *, completion_
     results = run_concurrently([_call_async(*calls[j]) for j in waiting]) if waiting else []
     for j, values in zip(waiting, results):
         rewards[:, j] = _column(values, names[j], n)
-    _warn_unscored(rewards, prompts, completions)
+    _warn_unscored(rewards, prompts, completions, columns)
     return rewards
 
 # %% ../nbs/01_rewards.ipynb
