@@ -225,12 +225,13 @@ class DemoRecipe:
     eval_every: int
     rewards: tuple[str, ...]    # training rewards, names in grpo_lab.rewards (summed, as TRL does)
     accuracy: str               # held-out accuracy rule: the share of greedy completions this reward scores 1
+    lr_scheduler_type: str = "constant"
 
 
 DEMO_RECIPES = {
-    "tiny": DemoRecipe(steps=600, num_generations=8, prompts_per_step=16, learning_rate=5e-5, lora_r=None,
-                       max_new_tokens=5, eval_size=500, eval_every=50, rewards=("exact_answer",),
-                       accuracy="exact_answer"),
+    "tiny": DemoRecipe(steps=700, num_generations=8, prompts_per_step=16, learning_rate=3e-4, lora_r=None,
+                       max_new_tokens=5, eval_size=500, eval_every=100, rewards=("exact_answer",),
+                       accuracy="exact_answer", lr_scheduler_type="linear"),
     "smollm2": DemoRecipe(steps=24, num_generations=4, prompts_per_step=2, learning_rate=2e-4, lora_r=16,
                           max_new_tokens=16, eval_size=200, eval_every=12, rewards=("numeric_answer",),
                           accuracy="numeric_answer"),
@@ -327,7 +328,7 @@ def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit
     from grpo_lab.trainer import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
                       num_generations=recipe.num_generations, max_steps=recipe.steps, learning_rate=recipe.learning_rate,
-                      max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type="constant",
+                      max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type=recipe.lr_scheduler_type,
                       logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
                       lora_r=recipe.lora_r, load_in_4bit=load_in_4bit, num_train_epochs=1, num_completions_to_print=3,
                       gradient_checkpointing=False, report_to="none")
