@@ -15,6 +15,8 @@ import os
 import random
 import shutil
 import tempfile
+from collections import defaultdict, deque
+import time
 import warnings
 from dataclasses import dataclass, field
 from itertools import islice
@@ -24,12 +26,13 @@ from typing import Iterator
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import DynamicCache, GenerationConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from .advantages import compute_advantages
 from .batching import plan_for, short_repr
@@ -495,6 +498,9 @@ class GRPOTrainer:
         torch.manual_seed(args.seed)
         model, self.processing_class = self._load_model(model, processing_class, peft_config)
         self.reward_funcs = self._load_rewards(reward_funcs, reward_processing_classes)
+        self.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None for f in self.reward_funcs]
+        self.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
+        self._logs = _completion_logs(self.plan.generation_batch_size)
         self.eos_ids = eos_token_ids(model, self.processing_class)
         self.max_new_tokens = self._check_lengths(model)
         self.ref_model = make_reference(model, args.beta)
@@ -517,15 +523,27 @@ class GRPOTrainer:
         return self.processing_class
 
     @property
+    def entropy_coef(self) -> float:
+        "The entropy bonus coefficient now: the adaptive controller's current value, else `args.entropy_coef` (TRL's name)."
+        return self.entropy_control.coef if self.entropy_control is not None else self.args.entropy_coef
+
+    @property
     def global_step(self) -> int:
         return self.state.global_step
 
     @property
     def history(self) -> list[dict]:
-        "The training logs (a teaching convenience over `state.log_history`)."
-        return [h for h in self.state.log_history if "loss" in h or "reward" in h]
+        "The training step logs (a teaching convenience over `state.log_history`, without the end-of-run summary)."
+        return [h for h in self.state.log_history if ("loss" in h or "reward" in h) and "train_runtime" not in h]
 
 # %% ../nbs/06_trainer.ipynb
+def _completion_logs(size: int) -> dict:
+    "TRL's `_logs`: the latest generation batch's prompts, completions, rewards per function, advantages and `log_extra` columns."
+    recent = lambda: deque(maxlen=size)
+    return {"prompt": recent(), "completion": recent(), "rewards": defaultdict(recent), "advantages": recent(),
+            "extra": defaultdict(recent)}
+
+
 def _check_output_dir(output_dir) -> None:
     "Fail at construction, not after the first steps, when output_dir cannot be written."
     path = Path(output_dir)
@@ -729,10 +747,24 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict]) -> Rollout:
     extra = self._reward_logs.extra
     samples = [{"prompt": texts[i], "completion": decoded[i], "reward": float(stats["rewards"][mine][i]),
                 "advantage": float(adv[mine][i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(texts))]
+    self._keep_logs(rows, completions, rewards, adv, extra)
     rollout = Rollout(p_ids, p_mask, c_ids, c_mask, adv[mine].to(acc.device),
                       num_items_in_batch=acc.gather(c_mask.sum().reshape(1)).sum().item(), metrics=metrics, samples=samples)
     self._add_logps(rollout)
     return rollout
+
+
+@patch
+def _keep_logs(self: GRPOTrainer, rows: list[dict], completions: list, rewards: torch.Tensor, adv: torch.Tensor, extra: dict):
+    "Record the batch in `_logs` (all processes' rows, as TRL keeps them)."
+    logs, n = self._logs, len(rows)
+    logs["prompt"].extend(gather_object([r["prompt"] for r in rows]))
+    logs["completion"].extend(gather_object(completions))
+    for i, name in enumerate(self.reward_names):
+        logs["rewards"][name].extend(rewards[:, i].tolist())
+    logs["advantages"].extend(adv.tolist())
+    for column in sorted(set(gather_object(list(extra)))):
+        logs["extra"][column].extend(gather_object(list(extra.get(column, [None] * n))))
 
 
 @patch
@@ -983,7 +1015,7 @@ def _advance(pos: Position, n_micro: int, num_iterations: int, n_generations: in
 def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = None, **kwargs) -> TrainOutput:
     "Run GRPO for `plan.total_optimizer_steps` optimizer steps (or until a callback stops it)."
     start, rollout = self._begin_training(resume_from_checkpoint)
-    losses, stats, window = [], [], []
+    losses, stats, window, step_losses = [], [], [], []
     with self._checkpoint_on_interrupt():
         for step in self.micro_steps(start, rollout):
             if not losses:
@@ -995,11 +1027,12 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
                 self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
                 continue
             window.append(self._optimizer_step(losses, stats, step.rollout))
+            step_losses.append(window[-1]["loss"])
             losses, stats = [], []
             self._end_step(step, window)
             if self.control.should_training_stop:
                 break
-    return self._end_training()
+    return self._end_training(window, step_losses)
 
 
 @patch
@@ -1039,7 +1072,7 @@ def _end_step(self: GRPOTrainer, step: MicroStep, window: list[dict]):
     self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
     if step.ends_epoch:
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
-    if self.control.should_log or self.state.global_step == self.state.max_steps:
+    if self.control.should_log:
         self.log(_mean_metrics(window), samples=step.rollout.samples)
         window.clear()
     if self.control.should_evaluate and self.eval_dataset is not None:
@@ -1088,6 +1121,7 @@ def _begin_training(self: GRPOTrainer, resume_from_checkpoint) -> tuple[Position
     state.eval_steps = _absolute(args.eval_steps or state.logging_steps, state.max_steps)
     state.train_batch_size = args.per_device_train_batch_size
     self._resume_point = (start, rollout, _rng_state())
+    self._start_time, self._first_step = time.time(), state.global_step
     self._restart_logs()
     self.model.train()
     self.control = self.callback_handler.on_train_begin(args, state, self.control)
@@ -1103,16 +1137,32 @@ def _absolute(steps: float, max_steps: int) -> int:
 
 
 @patch
-def _end_training(self: GRPOTrainer) -> TrainOutput:
-    "Save the final model (unless save_strategy='no'), load the best one if asked, tell the callbacks."
+def _end_training(self: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
+    "Log the run's summary, load the best model if asked, save the final one (unless save_strategy='no'), tell the callbacks."
+    summary = self._summary(window, step_losses)
     if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
         self._load_weights(Path(self.state.best_model_checkpoint))
     if self.args.save_strategy != "no":
         self.save_model()
     self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-    losses = [h["loss"] for h in self.history if h.get("loss") is not None]
-    return TrainOutput(self.state.global_step, float(np.mean(losses)) if losses else float("nan"),
-                       {"train_loss": float(np.mean(losses)) if losses else float("nan"), "epoch": self.state.epoch})
+    return TrainOutput(self.state.global_step, summary["train_loss"], summary)
+
+
+_STEP_ONLY = ("loss", "grad_norm", "learning_rate")     # the HF Trainer's own step logs; not carried into the summary
+
+
+@patch
+def _summary(self: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
+    "The HF Trainer's last log entry (speed, total_flos, train_loss), plus the metrics of steps not yet logged (TRL)."
+    args, state = self.args, self.state
+    steps = state.global_step - self._first_step
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+    summary = speed_metrics("train", self._start_time, num_samples=steps * batch, num_steps=steps)
+    summary["total_flos"] = state.total_flos
+    summary["train_loss"] = float(np.sum(step_losses)) / max(steps, 0.001)   # the HF Trainer's mean over this call's steps
+    summary.update({k: v for k, v in _mean_metrics(window).items() if k not in _STEP_ONLY})
+    self.log(summary)
+    return {**summary, "epoch": state.log_history[-1]["epoch"]}
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -1146,7 +1196,7 @@ def _restart_logs(self: GRPOTrainer):
     if not self.accelerator.is_main_process:
         return
     out = Path(self.args.output_dir)
-    logged = [h for h in self.state.log_history if "loss" in h or "reward" in h]
+    logged = self.history
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": h["step"], **{k: v for k, v in h.items() if k != "step"}}) + "\n"
                                                for h in logged))
     completions = out / "completions.jsonl"

@@ -69,7 +69,7 @@ def test_sigkill_at_random_moments_then_resume_reproduces_an_uninterrupted_run(t
     a, b = load_file(reference / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13))                      # the log holds each step once, in order
+    assert steps == list(range(1, 13)) + [12]               # each step once, in order, then the run's summary
 
 
 def small_run(out, **kw):
@@ -131,7 +131,7 @@ def test_a_fresh_run_in_a_used_folder_starts_a_clean_log(tmp_path):
     small_run(tmp_path, max_steps=2).train()
     small_run(tmp_path, max_steps=1).train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1]
+    assert steps == [1, 1]                                   # the step, then the run's summary
 
 
 def test_a_full_disk_while_saving_names_the_cause_and_the_checkpoint_that_survives(tmp_path, monkeypatch):

@@ -48,8 +48,10 @@ def test_trl_quickstart_as_people_write_it(tmp_path):
     # 8 completions x 2 accumulation = 16 = 2 prompts per step; 8 prompts x 3 epochs (TRL's default)
     assert output.global_step == trainer.state.global_step == trainer.plan.total_optimizer_steps == 12
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in logged] == [2, 4, 6, 8, 10, 12]
-    assert [h["step"] for h in trainer.state.log_history] == [2, 4, 6, 8, 10, 12]
+    assert [h["step"] for h in logged] == [2, 4, 6, 8, 10, 12, 12]          # the steps, then the run's summary
+    assert [h["step"] for h in trainer.state.log_history] == [2, 4, 6, 8, 10, 12, 12]
+    assert [h["step"] for h in trainer.history] == [2, 4, 6, 8, 10, 12]
+    logged = logged[:-1]
     trl_keys = {"loss", "grad_norm", "learning_rate", "epoch", "reward", "reward_std", "frac_reward_zero_std",
                 "rewards/reward_len/mean", "rewards/reward_len/std", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
@@ -91,7 +93,7 @@ def test_resume_mid_rollout_matches_an_uninterrupted_run(tmp_path):
     assert [h["reward"] for h in resumed.history] == [h["reward"] for h in full.history]
     assert same_weights(weights(full), weights(resumed))
     logged = [json.loads(l)["step"] for l in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert logged == [1, 2, 3, 4, 5, 6]            # the resumed history, then the new steps, no repeats
+    assert logged == [1, 2, 3, 4, 5, 6, 6]         # the resumed history, then the new steps, no repeats, the summary
 
 
 def test_keyboard_interrupt_saves_and_resume_completes_the_run(tmp_path):
@@ -545,3 +547,40 @@ def test_generate_renders_and_tokenizes_each_prompt_once(tmp_path, monkeypatch):
     assert len(rendered) == 2 and len(tokenized) == 2
     assert texts == [real_render(r["prompt"], tok) for r in rows] and p_ids.size(0) == 8
     assert torch.equal(p_ids[:4], p_ids[0].expand(4, -1)) and not torch.equal(p_ids[0], p_ids[4])
+
+
+def test_the_last_log_entry_is_the_hf_summary_with_the_unlogged_steps_metrics(tmp_path):
+    "HF Trainer's closing entry (train_runtime ... train_loss), plus TRL's flush of the metrics not yet logged."
+    args = small_args(tmp_path / "out", max_steps=5, logging_steps=2, entropy_coef=0.01)
+    trainer = GRPOTrainer(model=TINY, reward_funcs=exact_answer, args=args, train_dataset=arithmetic_task(16))
+    out = trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in steps] == [2, 4]                   # step 5 is not forced into a log of its own
+    last = trainer.state.log_history[-1]
+    for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss", "epoch"):
+        assert key in last and key in out.metrics, key
+    assert last["step"] == 5 and "loss" not in last and "grad_norm" not in last
+    assert last["rewards/exact_answer/mean"] is not None and last["entropy_coef"] == 0.01 and "policy_loss" in last
+    assert out.training_loss == pytest.approx(last["train_loss"])
+    assert trainer.history[-1]["step"] == 4
+
+
+def test_trl_attributes_entropy_coef_reward_processing_classes_logs_and_aux_loss(tmp_path):
+    "The attributes TRL's users and tests read: entropy_coef, reward_processing_classes, _logs, aux_loss_enabled."
+    def tagged(completions, log_extra, **kwargs):
+        log_extra("head", [c[:3] for c in completions])
+        return [float(len(c)) for c in completions]
+
+    args = small_args(tmp_path / "out", max_steps=2, entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=50.0)
+    trainer = GRPOTrainer(model=TINY, reward_funcs=[tagged, exact_answer], args=args, train_dataset=arithmetic_task(16))
+    assert trainer.reward_processing_classes == [None, None] and trainer.aux_loss_enabled is False
+    assert trainer.entropy_coef == 0.01
+    trainer.train()
+    assert trainer.entropy_coef > 0.01                  # entropy below the target: the coefficient went up each step
+    logs = trainer._logs
+    assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["advantages"]) == trainer.plan.generation_batch_size
+    assert set(logs["rewards"]) == {"tagged", "exact_answer"} and "head" in logs["extra"]
+    assert list(logs["extra"]["head"]) == [c[:3] for c in logs["completion"]]
+    static = GRPOTrainer(model=TINY, reward_funcs=exact_answer, args=small_args(tmp_path / "o2", entropy_coef=0.2),
+                         train_dataset=arithmetic_task(16))
+    assert static.entropy_coef == 0.2
