@@ -479,18 +479,22 @@ def _seed_process(seed: int, process_index: int):
 # %% ../nbs/06_trainer.ipynb
 class GRPOTrainer:
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`."
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
                  optimizers=(None, None), peft_config=None):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
         if train_dataset is None:
-            raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column "
+            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' column "
                              "(e.g. grpo_lab.data.load_prompts('prompts.jsonl') or arithmetic_task(1000)).")
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            raise ValueError("No reward source provided. Pass `reward_funcs`: a function, a reward model (or its "
+                             "folder or hub id), or a list of them.")
         _check_output_dir(args.output_dir)
         self.train_dataset = load_prompts(train_dataset)
         self.eval_dataset = load_prompts(eval_dataset) if eval_dataset is not None else None
         self.streaming = isinstance(self.train_dataset, IterableDataset)
         _check_stream_length(self.streaming, args.max_steps)
+        _warn_length_weighted_sequences(args)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
                                        cpu=args.use_cpu)
         self.plan = plan_for(args, self.accelerator.num_processes, None if self.streaming else len(self.train_dataset))
@@ -544,6 +548,14 @@ def _completion_logs(size: int) -> dict:
             "extra": defaultdict(recent)}
 
 
+def _warn_length_weighted_sequences(args) -> None:
+    "GSPO's sequence-level ratio is meant for `loss_type='grpo'`; the token-summing losses weight it by length."
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning("importance_sampling_level='sequence' with loss_type=%r: this loss sums over tokens, so it "
+                       "weights each sequence by its completion length rather than optimizing one ratio per "
+                       "sequence; use loss_type='grpo' for the GSPO paper's objective.", args.loss_type)
+
+
 def _check_output_dir(output_dir) -> None:
     "Fail at construction, not after the first steps, when output_dir cannot be written."
     path = Path(output_dir)
@@ -587,11 +599,14 @@ def _cast_lm_head_to_fp32(model) -> None:
 def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) -> list:
     "Reward callables: functions as they are, reward models wrapped to score prompt + completion."
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    tokenizers = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) \
-        else [reward_processing_classes] * len(funcs)
-    if not funcs or len(tokenizers) != len(funcs):
-        raise ValueError(f"reward_funcs has {len(funcs)} entries and reward_processing_classes {len(tokenizers)}: "
-                         "give at least one reward function, and one processing class per reward function (or None).")
+    if reward_processing_classes is None:
+        tokenizers = [None] * len(funcs)
+    else:          # as in TRL, a single processing class is a list of one
+        tokenizers = list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple)) \
+            else [reward_processing_classes]
+    if len(tokenizers) != len(funcs):
+        raise ValueError(f"The number of reward_processing_classes ({len(tokenizers)}) must match the number of "
+                         f"reward_funcs ({len(funcs)}): one per reward function, None for a plain function.")
     init_kwargs = _as_dict(self.args.model_init_kwargs)
     funcs = [as_reward_function(f, tok, device=self.accelerator.device, **init_kwargs) for f, tok in zip(funcs, tokenizers)]
     for f in funcs:
@@ -797,6 +812,12 @@ def _add_logps(self: GRPOTrainer, rollout: Rollout):
                                             attention_mask, k, temperature=self.args.temperature, batch_size=bs)
 
 # %% ../nbs/06_trainer.ipynb
+def _gather_flat(accelerator, values: torch.Tensor) -> torch.Tensor:
+    "A 1-D tensor of non-negative values from every process (lengths may differ): padded with -1, gathered, unpadded."
+    gathered = accelerator.gather(accelerator.pad_across_processes(values, dim=0, pad_index=-1.0))
+    return gathered[gathered >= 0]
+
+
 @patch
 def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     "The loss to back-propagate for one micro-batch, and its stats."
@@ -805,7 +826,7 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     attention_mask = torch.cat([mb.prompt_mask, mb.completion_mask], 1)
     logps, entropies = completion_logps(self.model, input_ids, attention_mask, mb.completion_ids.size(1),
                                         temperature=args.temperature, compute_entropy=True)
-    gathered = acc.gather(entropies[mb.completion_mask.bool()]) if args.top_entropy_quantile < 1 else None
+    gathered = _gather_flat(acc, entropies[mb.completion_mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if self.entropy_control is not None:
         self._add_to_entropy_window(entropies.detach(), mb.completion_mask, gathered)
     loss, stats = grpo_loss(
@@ -1498,7 +1519,12 @@ def push_to_hub(self: GRPOTrainer, commit_message: str = "End of training", **kw
                              ignore_patterns=["checkpoint-*", "tmp-checkpoint-*", "*.jsonl"], **kwargs)
 
 # %% ../nbs/06_trainer.ipynb
-GRPOTrainer.get_high_entropy_mask = staticmethod(high_entropy_mask)
+@patch
+def get_high_entropy_mask(self: GRPOTrainer, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    "TRL's method: True where a completion token's entropy reaches the `threshold` quantile over all processes' tokens."
+    return high_entropy_mask(entropies, mask, threshold, _gather_flat(self.accelerator, entropies[mask.bool()].float()))
+
+
 GRPOTrainer.get_off_policy_mask = staticmethod(off_policy_mask)
 
 # %% ../nbs/06_trainer.ipynb

@@ -584,3 +584,42 @@ def test_trl_attributes_entropy_coef_reward_processing_classes_logs_and_aux_loss
     static = GRPOTrainer(model=TINY, reward_funcs=exact_answer, args=small_args(tmp_path / "o2", entropy_coef=0.2),
                          train_dataset=arithmetic_task(16))
     assert static.entropy_coef == 0.2
+
+
+def test_trl_construction_errors_and_a_single_reward_processing_class(tmp_path):
+    "TRL's wording for a missing reward or dataset; one processing class is a list of one; a mismatch names both counts."
+    from transformers import AutoTokenizer
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(model=TINY, args=small_args(tmp_path / "a"), train_dataset=arithmetic_task(8))
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        GRPOTrainer(model=TINY, reward_funcs=exact_answer, args=small_args(tmp_path / "b"))
+    tok = AutoTokenizer.from_pretrained(TINY)
+    with pytest.raises(ValueError, match=r"\(1\) must match the number of reward_funcs \(2\)"):
+        GRPOTrainer(model=TINY, reward_funcs=[exact_answer, exact_answer], reward_processing_classes=tok,
+                    args=small_args(tmp_path / "c"), train_dataset=arithmetic_task(8))
+    trainer = GRPOTrainer(model=TINY, reward_funcs=exact_answer, reward_processing_classes=tok,
+                          args=small_args(tmp_path / "d"), train_dataset=arithmetic_task(8))
+    assert trainer.reward_processing_classes == [None]          # a plain function keeps no tokenizer
+
+
+def test_get_high_entropy_mask_is_a_method_that_gathers_over_processes(tmp_path):
+    class TwoProcesses:       # this process has 2 tokens, the other 3 (padded with -1 to the same length)
+        def pad_across_processes(self, t, dim, pad_index):
+            return torch.cat([t, torch.full((3 - len(t),), pad_index)])
+
+        def gather(self, t):
+            return torch.cat([t, torch.tensor([0.2, 0.4, 0.6])])
+
+    probe = GRPOTrainer.__new__(GRPOTrainer)
+    probe.accelerator = TwoProcesses()
+    mask = probe.get_high_entropy_mask(torch.tensor([[0.1, 0.5, 9.0]]), torch.tensor([[1, 1, 0]]), threshold=0.5)
+    assert mask.tolist() == [[False, True, False]]     # median of 0.1 0.5 0.2 0.4 0.6 is 0.4; padding is never counted
+
+
+def test_sequence_level_ratio_with_a_token_summed_loss_warns(tmp_path, caplog):
+    for loss_type, warns in (("dapo", True), ("grpo", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            GRPOTrainer(model=TINY, reward_funcs=exact_answer, train_dataset=arithmetic_task(8),
+                        args=small_args(tmp_path / loss_type, importance_sampling_level="sequence", loss_type=loss_type))
+        assert ("weights each sequence by its completion length" in caplog.text) == warns
