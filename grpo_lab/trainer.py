@@ -491,8 +491,11 @@ class GRPOTrainer:
                              "folder or hub id), or a list of them.")
         _check_output_dir(args.output_dir)
         self.train_dataset = load_prompts(train_dataset)
-        self.eval_dataset = load_prompts(eval_dataset) if eval_dataset is not None else None
+        self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
+        _eval_sets(eval_dataset)
         self.streaming = isinstance(self.train_dataset, IterableDataset)
+        if self.streaming:
+            _configure_for_streaming(args)
         _check_stream_length(self.streaming, args.max_steps)
         _warn_length_weighted_sequences(args)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
@@ -546,6 +549,30 @@ def _completion_logs(size: int) -> dict:
     recent = lambda: deque(maxlen=size)
     return {"prompt": recent(), "completion": recent(), "rewards": defaultdict(recent), "advantages": recent(),
             "extra": defaultdict(recent)}
+
+
+def _eval_sets(eval_dataset) -> dict:
+    "The evaluation sets by metric prefix: `{'': one set}`, or `{'name_': set}` for each entry of a dict / DatasetDict."
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):          # dict, DatasetDict and IterableDatasetDict
+        return {f"{name}_": load_prompts(d) for name, d in eval_dataset.items()}
+    return {"": load_prompts(eval_dataset)}
+
+
+def _configure_for_streaming(args) -> None:
+    "A stream is read in order by each process: no batch dispatching from process 0, no worker processes."
+    config = args.accelerator_config
+    if getattr(config, "dispatch_batches", None) is True:
+        raise ValueError("Iterable datasets require `dispatch_batches=False`: each process reads its own rows of the "
+                         "stream; remove dispatch_batches from accelerator_config.")
+    if config is not None:
+        config.dispatch_batches = False
+    if args.dataloader_num_workers:
+        logger.warning("dataloader_num_workers=%d is set to 0 for a streamed train_dataset: worker processes would "
+                       "each read the stream and split the groups of num_generations completions.",
+                       args.dataloader_num_workers)
+        args.dataloader_num_workers = 0
 
 
 def _warn_length_weighted_sequences(args) -> None:
@@ -1229,10 +1256,21 @@ def _restart_logs(self: GRPOTrainer):
 @patch
 @torch.no_grad()
 def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
-    "Mean rewards of completions of the held-out prompts, as `eval_*` metrics."
-    dataset = load_prompts(eval_dataset) if eval_dataset is not None else self.eval_dataset
-    if dataset is None:
+    "Mean rewards, lengths and loss of completions of the held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."
+    sets = _eval_sets(eval_dataset if eval_dataset is not None else self.eval_dataset)
+    if not sets:
         raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer or to evaluate().")
+    metrics = {f"{metric_key_prefix}_{name}{k}": v for name, dataset in sets.items()
+               for k, v in self._evaluate_set(dataset).items()}
+    self.log(metrics)
+    self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+    self._update_best_metric(metrics)      # after the callbacks, as in the HF Trainer (EarlyStoppingCallback relies on it)
+    return metrics
+
+
+@patch
+def _evaluate_set(self: GRPOTrainer, dataset) -> dict:
+    "One evaluation set's metrics, averaged over its batches of `per_device_eval_batch_size` completions per process."
     args, acc = self.args, self.accelerator
     G = args.num_generations_eval or args.num_generations
     prompts_per_batch = max(1, args.per_device_eval_batch_size * acc.num_processes // G)
@@ -1245,16 +1283,30 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eva
         decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
         rewards = acc.gather(self._score(mine, [_as_completion(t, r["prompt"]) for t, r in zip(decoded, mine)],
                                          id_lists).to(acc.device)).float().cpu()
-        _, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards,
-                                      reward_names=self.reward_names,
-                                      multi_objective_aggregation=args.multi_objective_aggregation)
-        window.append({**self._reward_metrics(stats), **_length_metrics(acc.gather(c_mask.sum(1).float()).cpu(),
-                                                                        acc.gather(truncated.to(acc.device)).cpu())})
-    metrics = {f"{metric_key_prefix}_{k}": v for k, v in _mean_metrics(window).items()}
-    self.log(metrics)
-    self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics=metrics)
-    self._update_best_metric(metrics)      # after the callbacks, as in the HF Trainer (EarlyStoppingCallback relies on it)
-    return metrics
+        adv, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards,
+                                        reward_names=self.reward_names,
+                                        multi_objective_aggregation=args.multi_objective_aggregation)
+        kept = c_mask * (~truncated).unsqueeze(1).int() if args.mask_truncated_completions else c_mask
+        batch = Rollout(p_ids, p_mask, c_ids, kept, adv[process_rows(len(adv), acc.num_processes, acc.process_index)].to(acc.device),
+                        num_items_in_batch=acc.gather(kept.sum().reshape(1)).sum().item())
+        window.append({"loss": self._eval_loss(batch), **self._reward_metrics(stats),
+                       **_length_metrics(acc.gather(c_mask.sum(1).float()).cpu(), acc.gather(truncated.to(acc.device)).cpu())})
+    return _mean_metrics(window)
+
+
+@patch
+def _eval_loss(self: GRPOTrainer, batch: Rollout) -> float:
+    "The training loss of an evaluation batch taken as one micro-batch: on-policy (ratio 1), KL to the reference if beta > 0."
+    if self.args.beta > 0:
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+        batch.ref_logps = reference_logps(self.accelerator.unwrap_model(self.model), self.ref_model, input_ids,
+                                          attention_mask, batch.completion_ids.size(1), temperature=self.args.temperature,
+                                          batch_size=self.args.per_device_eval_batch_size)
+    window = self._entropy_window.clone()
+    loss, _ = self._micro_batch_loss(batch)
+    self._entropy_window = window          # evaluating does not move the adaptive entropy coefficient
+    return loss.item()
 
 
 @patch

@@ -623,3 +623,31 @@ def test_sequence_level_ratio_with_a_token_summed_loss_warns(tmp_path, caplog):
             GRPOTrainer(model=TINY, reward_funcs=exact_answer, train_dataset=arithmetic_task(8),
                         args=small_args(tmp_path / loss_type, importance_sampling_level="sequence", loss_type=loss_type))
         assert ("weights each sequence by its completion length" in caplog.text) == warns
+
+
+def test_eval_dataset_dict_is_evaluated_per_set_with_an_eval_loss(tmp_path):
+    "A dict of eval sets: each evaluated on its own (eval_<name>_*), with eval_loss; trainer.eval_dataset is what was given."
+    from datasets import DatasetDict
+    sets = DatasetDict({"easy": arithmetic_task(2, seed=1), "hard": arithmetic_task(2, seed=2)})
+    trainer = GRPOTrainer(model=TINY, reward_funcs=exact_answer, args=small_args(tmp_path / "out", max_steps=1),
+                          train_dataset=arithmetic_task(8), eval_dataset=sets)
+    assert trainer.eval_dataset is sets
+    metrics = trainer.evaluate()
+    for name in ("easy", "hard"):
+        assert math.isfinite(metrics[f"eval_{name}_loss"]) and f"eval_{name}_reward" in metrics
+    single = trainer.evaluate(eval_dataset=arithmetic_task(2, seed=3))
+    assert math.isfinite(single["eval_loss"]) and "eval_reward" in single
+    assert trainer.state.log_history[-1] == {**single, "epoch": 0.0, "step": 0}
+
+
+def test_a_streamed_train_set_sets_dispatch_batches_false_and_no_workers(tmp_path, caplog):
+    from datasets import IterableDataset
+    stream = lambda: IterableDataset.from_generator(lambda: iter(arithmetic_task(8)))
+    with caplog.at_level(logging.WARNING):
+        trainer = GRPOTrainer(model=TINY, reward_funcs=exact_answer, train_dataset=stream(),
+                              args=small_args(tmp_path / "a", max_steps=1, dataloader_num_workers=2))
+    assert trainer.args.accelerator_config.dispatch_batches is False and trainer.args.dataloader_num_workers == 0
+    assert "dataloader_num_workers=2 is set to 0" in caplog.text
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(model=TINY, reward_funcs=exact_answer, train_dataset=stream(),
+                    args=small_args(tmp_path / "b", max_steps=1, accelerator_config={"dispatch_batches": True}))
