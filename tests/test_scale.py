@@ -196,7 +196,7 @@ WEIGHTS_SCRIPT = textwrap.dedent("""
     edge = GRPOConfig(output_dir=out + "/edge", per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       steps_per_generation=3, num_generations=8, num_train_epochs=2, learning_rate=1e-3,
                       max_prompt_length=32, max_completion_length=6, disable_tqdm=True, gradient_checkpointing=False,
-                      save_strategy="no")
+                      save_strategy="no", logging_steps=1)   # HF logs the last step only on a logging step
     trainer2 = GRPOTrainer(str(tiny_model_path()), exact_answer, args=edge, train_dataset=arithmetic_task(3, seed=5),
                            callbacks=[KeepCompletions()])
     trainer2.train()
@@ -208,15 +208,20 @@ WEIGHTS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_both_processes_end_with_identical_weights(tmp_path):
-    "Gradients are averaged over processes before every step, so the two replicas never drift apart."
-    out = export_run(TINY, tmp_path / "export", num_processes=2, cpu=True)
-    (tmp_path / "train_and_hash.py").write_text(WEIGHTS_SCRIPT)
+def run_two_cpu_processes(tmp_path, script: str, config=TINY) -> list[dict]:
+    "Run `script` (it gets tmp_path as its argument and writes rank<i>.json) on 2 CPU processes with the export of `config`; the two JSONs."
+    out = export_run(config, tmp_path / "export", num_processes=2, cpu=True)
+    (tmp_path / "run.py").write_text(script)
     r = subprocess.run([bin_path("accelerate"), "launch", "--config_file", str(out / "accelerate_config.yaml"),
-                        "--main_process_port", str(free_port()), str(tmp_path / "train_and_hash.py"), str(tmp_path)],
+                        "--main_process_port", str(free_port()), str(tmp_path / "run.py"), str(tmp_path)],
                        env=launch_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+
+
+def test_both_processes_end_with_identical_weights(tmp_path):
+    "Gradients are averaged over processes before every step, so the two replicas never drift apart."
+    ranks = run_two_cpu_processes(tmp_path, WEIGHTS_SCRIPT)
     assert [x["world"] for x in ranks] == [2, 2]
     assert ranks[0]["unique_prompts"] == 2          # 4 completions x 2 processes x 2 accumulation steps / 8
     assert ranks[0]["before"] == ranks[1]["before"] and ranks[0]["after"] != ranks[0]["before"]

@@ -130,18 +130,10 @@ json.dump(result, open(f"{out}/rank{rank}.json", "w"))
 
 def test_two_processes_share_a_stream_as_they_share_a_dataset(tmp_path):
     "Each process generates for its own half of every generation batch, the same rows a Dataset would give it."
-    import subprocess
-    from conftest import ROOT, bin_path
-    from grpo_lab.scale import export_run
-    from test_scale import free_port, launch_env
+    from conftest import ROOT
+    from test_scale import run_two_cpu_processes
 
-    out = export_run(ROOT / "configs" / "tiny-cpu.yaml", tmp_path / "export", num_processes=2, cpu=True)
-    (tmp_path / "run.py").write_text(TWO_PROCESS_SCRIPT)
-    r = subprocess.run([bin_path("accelerate"), "launch", "--config_file", str(out / "accelerate_config.yaml"),
-                        "--main_process_port", str(free_port()), str(tmp_path / "run.py"), str(tmp_path)],
-                       env=launch_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    ranks = run_two_cpu_processes(tmp_path, TWO_PROCESS_SCRIPT, ROOT / "configs" / "tiny-cpu.yaml")
     prompts = list(arithmetic_task(12, seed=3)["prompt"])
     # 4 completions x 2 processes x 2 accumulation steps = 4 prompts per generation batch; rank 0 gets the first 2
     for rank, result in enumerate(ranks):
