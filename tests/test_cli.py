@@ -143,7 +143,8 @@ def test_train_from_the_shipped_cpu_config_with_overrides(tmp_path):
                  "--save_steps", 2, "--output_dir", out, "--disable_tqdm")
     assert r.returncode == 0, r.stderr[-3000:]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in logged] == [2, 4]
+    *steps, summary = logged                      # the last line is the run's summary, as the HF Trainer logs it
+    assert [h["step"] for h in steps] == [2, 4] and summary["step"] == 4 and "train_loss" in summary
     assert (out / "checkpoint-4").exists() and (out / "model.safetensors").exists()
     assert f"final policy: {out}" in r.stdout
     r = grpo_lab("train", "--config", "configs/tiny-cpu.yaml", "--max_steps", 6, "--output_dir", out,
