@@ -232,8 +232,8 @@ DEMO_RECIPES = {
     "tiny": DemoRecipe(steps=700, num_generations=8, prompts_per_step=16, learning_rate=3e-4, lora_r=None,
                        max_new_tokens=5, eval_size=500, eval_every=100, rewards=("exact_answer",),
                        accuracy="exact_answer", lr_scheduler_type="linear"),
-    "smollm2": DemoRecipe(steps=30, num_generations=4, prompts_per_step=4, learning_rate=2e-4, lora_r=16,
-                          max_new_tokens=16, eval_size=200, eval_every=15, rewards=("numeric_answer",),
+    "smollm2": DemoRecipe(steps=20, num_generations=4, prompts_per_step=4, learning_rate=2e-4, lora_r=16,
+                          max_new_tokens=16, eval_size=100, eval_every=20, rewards=("numeric_answer",),
                           accuracy="numeric_answer"),
 }
 
