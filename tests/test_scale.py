@@ -144,8 +144,8 @@ def test_the_exported_launch_script_trains_on_two_cpu_processes(tmp_path):
                         "--output_dir", str(run_dir), "--disable_tqdm"], cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-3000:]
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in logged] == [1, 2, 3]
+    *logged, summary = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in logged] == [1, 2, 3] and "train_loss" in summary   # then the run's summary line
     assert (run_dir / "model.safetensors").exists()
     # Two processes ran: each prints the final line, and the epoch advanced as the 2-process plan says
     # (32 prompts per generation batch, 125 per epoch, against 16 and 250 on one process).
