@@ -462,6 +462,11 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def _recipe_help(field):
+    "The recipes' defaults of one field, e.g. 'tiny 700, smollm2 20', for the help text (never out of date)."
+    return ", ".join(f"{name} {getattr(r, field)}" for name, r in DEMO_RECIPES.items())
+
+
 def _add_demo(sub):
     p = sub.add_parser("demo", help="offline demo: GRPO teaches a model arithmetic on a CPU (tiny or SmolLM2)",
                        description="Train a demo model on its built-in arithmetic task with GRPO and report held-out "
@@ -472,12 +477,13 @@ def _add_demo(sub):
                    help="'tiny' (shipped, 0.8M parameters), 'smollm2' (SmolLM2-135M-Instruct, a real chat model) or a "
                         "folder with a model trained on the tiny task")
     p.add_argument("--seed", type=int, nargs="+", default=[0], help="one seed, or several: one run each, plotted together")
-    p.add_argument("--steps", type=_positive_int, default=None, help="default: the model's recipe (tiny 600, smollm2 24)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="default: the model's recipe (" + _recipe_help("steps") + ")")
     p.add_argument("--lora-r", type=_positive_int, default=None, help="train a LoRA adapter of this rank instead of all weights")
     p.add_argument("--load-in-4bit", action="store_true", help="quantize the base to 4-bit NF4 (use with --lora-r)")
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--eval-size", type=_positive_int, default=None,
-                   help="held-out problems (tiny: at most the 500 its warm start never saw; smollm2: 200)")
+                   help="held-out problems, default: the recipe's (" + _recipe_help("eval_size") + "; tiny has at most 500 "
+                        "its warm start never saw)")
     p.add_argument("--eval-every", type=_positive_int, default=None)
     p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files")
     p.set_defaults(func=cmd_demo)
