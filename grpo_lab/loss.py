@@ -12,11 +12,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # %% auto 0
-__all__ = ['LM_HEAD_TILE_ELEMENTS', 'LOSS_TYPES', 'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS',
-           'LOSS_STAT_WEIGHTS', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps', 'completion_logps',
-           'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights', 'high_entropy_mask',
-           'off_policy_mask', 'aggregate_loss', 'masked_mean', 'importance_log_weights', 'grpo_loss',
-           'reduce_loss_stats']
+__all__ = ['LM_HEAD_TILE_ELEMENTS', 'LM_HEAD_CHECKPOINT_MIN', 'LOSS_TYPES', 'GLOBAL_TOKEN_LOSS_TYPES',
+           'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS', 'selective_log_softmax',
+           'entropy_from_logits', 'lm_head_logps', 'completion_logps', 'clipped_surrogate', 'kl_k3', 'cispo_objective',
+           'sapo_objective', 'vespo_weights', 'high_entropy_mask', 'off_policy_mask', 'aggregate_loss', 'masked_mean',
+           'importance_log_weights', 'grpo_loss', 'reduce_loss_stats']
 
 # %% ../nbs/03_loss.ipynb
 def _row_chunks(logits: torch.Tensor, chunk_size: int):
@@ -69,6 +69,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
 
 # %% ../nbs/03_loss.ipynb
 LM_HEAD_TILE_ELEMENTS = 2**24     # logits per tile: 64 MiB in float32
+LM_HEAD_CHECKPOINT_MIN = 2**20    # a tile of at most this many logits (4 MiB) keeps them for backward instead
 
 
 def _tile_logps(hidden, weight, bias, ids, temperature, compute_entropy):
@@ -93,7 +94,8 @@ def lm_head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start in range(0, len(flat_ids), tile_rows):
         args = (flat_hidden[start:start + tile_rows], weight, bias, flat_ids[start:start + tile_rows], temperature,
                 compute_entropy)
-        tiles.append(checkpoint(_tile_logps, *args, use_reentrant=False) if track else _tile_logps(*args))
+        small = len(args[0]) * weight.shape[0] <= LM_HEAD_CHECKPOINT_MIN   # nothing worth recomputing
+        tiles.append(checkpoint(_tile_logps, *args, use_reentrant=False) if track and not small else _tile_logps(*args))
     logps = torch.cat([t[0] for t in tiles]).reshape(ids.shape)
     return logps, (torch.cat([t[1] for t in tiles]).reshape(ids.shape) if compute_entropy else None)
 
