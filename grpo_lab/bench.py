@@ -57,6 +57,7 @@ class BenchSettings:
     gradient_checkpointing: bool = False
     seed: int = 0
     threads: int | None = None          # torch CPU threads; None keeps torch's default
+    fixed_length: bool = False          # every completion exactly completion_length tokens (min_new_tokens): equal work
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -73,7 +74,8 @@ class BenchSettings:
         lora = f", LoRA r={self.lora_r}" + (" on a 4-bit base" if self.load_in_4bit else "") if self.lora_r else ", full fine-tuning"
         return (f"{self.shape} ({SHAPES[self.shape]}{depth}){lora}; {self.per_device_train_batch_size} completions x "
                 f"{self.gradient_accumulation_steps} accumulation (G={self.num_generations}), prompts of "
-                f"{self.prompt_length} tokens, completions up to {self.completion_length}, loss {self.loss_type}, "
+                f"{self.prompt_length} tokens, completions {'of exactly' if self.fixed_length else 'up to'} "
+                f"{self.completion_length}, loss {self.loss_type}, "
                 f"beta {self.beta}, {self.steps} steps")
 
 # %% ../nbs/10_bench.ipynb
@@ -241,7 +243,8 @@ def _common_args(s: BenchSettings, output_dir: str, cuda: bool) -> dict:
                 max_completion_length=s.completion_length, learning_rate=s.learning_rate, lr_scheduler_type="constant",
                 beta=s.beta, loss_type=s.loss_type, temperature=1.0, seed=s.seed, logging_steps=1, save_strategy="no",
                 report_to="none", disable_tqdm=True, gradient_checkpointing=s.gradient_checkpointing, use_cpu=not cuda,
-                bf16=cuda and _bf16_ok(), fp16=False)
+                bf16=cuda and _bf16_ok(), fp16=False,
+                generation_kwargs={"min_new_tokens": s.completion_length} if s.fixed_length else None)
 
 
 def _bf16_ok() -> bool:
@@ -458,6 +461,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_optional_int, default=None, help="torch CPU threads per run")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every completion exactly --completion-length tokens in both trainers (EOS held back), so "
+                        "that both do the same work whatever they sample")
     p.add_argument("--repeats", type=int, default=2, help="runs per trainer, alternated (grpo-lab, TRL, grpo-lab, TRL, ...)")
     p.add_argument("--output-dir", default="runs/bench", help="where bench.json and bench.png go")
     p.add_argument("--trl-python", default=None, help="a Python that can import TRL and grpo_lab (default: this one if it has TRL, else $GRPO_LAB_TRL_PYTHON)")

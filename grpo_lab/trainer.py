@@ -196,8 +196,12 @@ def _coerce_numbers(cfg) -> None:
 REFUSED_OPTIONS = {
     "use_vllm": "grpo-lab generates with transformers' generate; vLLM is not supported (leave use_vllm=False)",
     "use_liger_kernel": "Liger kernels are not supported; grpo-lab computes log-probs in tiles already (03_loss)",
-    "use_transformers_continuous_batching": "continuous batching is not supported yet; generation uses padded batches",
-    "use_transformers_paged": "paged generation is not supported yet; generation uses padded batches",
+    "use_transformers_continuous_batching": "transformers' continuous batching was slower than padded generate in every "
+        "CPU measurement (1.2-2.9x at real shapes, 10x or more at the tiny model; 10_bench, BENCHMARKS.md) and samples "
+        "with its own seed, so seeded runs would not repeat; grpo-lab generates padded batches, each prompt prefilled "
+        "once per group (leave it False)",
+    "use_transformers_paged": "paged generation is TRL's deprecated name for continuous batching, which grpo-lab does "
+        "not use (see use_transformers_continuous_batching; leave it False)",
     "max_tool_calling_iterations": "tool calling is not supported",
     "log_completions_hub_repo": "completions are written to output_dir/completions.jsonl, never pushed to a hub",
     "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",

@@ -651,3 +651,9 @@ def test_a_streamed_train_set_sets_dispatch_batches_false_and_no_workers(tmp_pat
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
         GRPOTrainer(model=TINY, reward_funcs=exact_answer, train_dataset=stream(),
                     args=small_args(tmp_path / "b", max_steps=1, accelerator_config={"dispatch_batches": True}))
+
+
+@pytest.mark.parametrize("name", ["use_transformers_continuous_batching", "use_transformers_paged"])
+def test_continuous_batching_is_refused_with_the_measured_reason(name, tmp_path):
+    with pytest.raises(ValueError, match=rf"{name}=True is not supported by grpo-lab: .*(padded generate|continuous batching)"):
+        GRPOConfig(output_dir=str(tmp_path), **{name: True})
