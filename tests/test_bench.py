@@ -74,3 +74,29 @@ def test_smollm2_is_skipped_with_a_reason_when_not_shipped(tmp_path):
 def test_layers_refused_for_trained_weights(tmp_path):
     r = bench("--shape", "tiny", "--layers", "2", "--output-dir", tmp_path)
     assert r.returncode == 2 and "trained weights" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fixed_length_makes_every_completion_full_length(tmp_path):
+    "`--fixed-length` holds EOS back: every step generates completions x completion-length tokens."
+    r = bench(*TINY, "--fixed-length", "--no-trl", "--output-dir", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = json.loads((tmp_path / "bench.json").read_text())["runs"][0]
+    assert [s["generated_tokens"] for s in run["steps"]] == [8 * 8] * 2
+    assert "of exactly 8" in r.stdout
+
+
+def test_generation_backends_script_reports_all_three(tmp_path):
+    "benchmarks/generation_cb.py times padded generate, shared prefill and continuous batching (structure only)."
+    out = tmp_path / "cb.json"
+    r = subprocess.run([sys.executable, "benchmarks/generation_cb.py", "--shape", "tiny", "--prompts", "2", "-G", "2",
+                        "--completion-length", "4", "--rounds", "2", "--threads", "1", "--json", str(out), "--cb-config",
+                        '{"num_blocks": 4, "max_batch_tokens": 128, "page_size": 32}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(out.read_text())["figures"]
+    assert list(figures) == ["padded generate", "shared prefill", "continuous batching"]
+    for name in ("padded generate", "shared prefill"):     # grpo-lab's own back-ends must run
+        assert all(f["seconds"] > 0 and f["tokens"] >= 0 for f in figures[name]), figures[name]
+    for name, runs in figures.items():
+        assert len(runs) == 2 and all(("seconds" in f) != ("error" in f) for f in runs)
+        assert name in r.stdout
