@@ -19,16 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from grpo_lab.bench import BenchSettings, load_tokenizer, prepare_model, synthetic_prompts
-from grpo_lab.trainer import completion_mask, sample_completions
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    return ids, mask
+from grpo_lab.trainer import sample_completions, tokenize_prompts
 
 
 def main(argv=None):
@@ -43,7 +34,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the per-round figures here")
     p.add_argument("--cb-config", default='{"max_memory_percent": 0.5}',
-                   help="ContinuousBatchingConfig as JSON (default: TRL 1.16's training default)")
+                   help="ContinuousBatchingConfig as JSON (default: TRL 1.16's training default; '{}' for transformers' own)")
     p.add_argument("--persistent", action="store_true",
                    help="keep the continuous-batching manager between calls (TRL starts one per call)")
     a = p.parse_args(argv)
@@ -56,9 +47,9 @@ def main(argv=None):
         tok = load_tokenizer(folder)
     prompts = synthetic_prompts(tok, a.prompts, a.prompt_length, seed=0)
     texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-    ids = tok(texts, add_special_tokens=False)["input_ids"]
-    rows = [r for r in ids for _ in range(a.num_generations)]        # each prompt G times, grouped
-    prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id)
+    grouped = [t for t in texts for _ in range(a.num_generations)]       # each prompt G times, grouped
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tok, grouped)           # left-padded, as the trainer does
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]   # unpadded, for generate_batch
     eos = [tok.eos_token_id]
     gen = GenerationConfig(max_new_tokens=a.completion_length, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            eos_token_id=eos, pad_token_id=tok.pad_token_id)

@@ -85,7 +85,8 @@ def _tile_logps(hidden, weight, bias, ids, temperature, compute_entropy):
 
 
 def lm_head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                  temperature: float = 1.0, compute_entropy: bool = False, tile_rows: int | None = None):
+                  temperature: float = 1.0, compute_entropy: bool = False, tile_rows: int | None = None,
+                  checkpoint_min: int = LM_HEAD_CHECKPOINT_MIN):
     "Log-probs (float32) of `ids (...)` from final hidden states `(..., H)` through the LM head, one tile at a time."
     flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
     tile_rows = tile_rows or max(1, LM_HEAD_TILE_ELEMENTS // weight.shape[0])
@@ -94,7 +95,7 @@ def lm_head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start in range(0, len(flat_ids), tile_rows):
         args = (flat_hidden[start:start + tile_rows], weight, bias, flat_ids[start:start + tile_rows], temperature,
                 compute_entropy)
-        small = len(args[0]) * weight.shape[0] <= LM_HEAD_CHECKPOINT_MIN   # nothing worth recomputing
+        small = len(args[0]) * weight.shape[0] <= checkpoint_min    # nothing worth recomputing
         tiles.append(checkpoint(_tile_logps, *args, use_reentrant=False) if track and not small else _tile_logps(*args))
     logps = torch.cat([t[0] for t in tiles]).reshape(ids.shape)
     return logps, (torch.cat([t[1] for t in tiles]).reshape(ids.shape) if compute_entropy else None)

@@ -657,3 +657,14 @@ def test_a_streamed_train_set_sets_dispatch_batches_false_and_no_workers(tmp_pat
 def test_continuous_batching_is_refused_with_the_measured_reason(name, tmp_path):
     with pytest.raises(ValueError, match=rf"{name}=True is not supported by grpo-lab: .*(padded generate|continuous batching)"):
         GRPOConfig(output_dir=str(tmp_path), **{name: True})
+
+
+def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path):
+    "Each generation batch's rows are the shuffled chunks of the dataset, as plain Python, even with a numpy format."
+    from grpo_lab.trainer import generation_chunks
+    data = arithmetic_task(16, seed=3)
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=data.with_format("numpy"))
+    batches = [rows for rows, _ in trainer._epoch_chunks(epoch=1, start=0)]
+    chunks = generation_chunks(len(data), trainer.plan.unique_prompts_per_generation, 42, 1, shuffle=True)
+    assert batches == [data.select(c).to_list() for c in chunks]
+    assert all(type(row["answer"]) is str and type(row["prompt"]) is str for rows in batches for row in rows)
