@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from grpo_lab.bench import BenchSettings, load_tokenizer, prepare_model, synthetic_prompts
-from grpo_lab.trainer import sample_completions, tokenize_prompts
+from grpo_lab.rollout import sample_completions, tokenize_prompts
 
 
 def main(argv=None):

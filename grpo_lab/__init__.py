@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/index.ipynb
-_LAZY = {"GRPOConfig": "trainer", "GRPOTrainer": "trainer", "plan_batches": "batching",
+_LAZY = {"GRPOConfig": "config", "GRPOTrainer": "trainer", "plan_batches": "batching",
          "compute_advantages": "advantages", "grpo_loss": "loss", "load_policy": "models",
          "load_prompts": "data"}
 

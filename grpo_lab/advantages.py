@@ -14,7 +14,7 @@ from .rewards import RewardFunctionError
 
 # %% auto 0
 __all__ = ['SCALE_REWARDS', 'MULTI_OBJECTIVE_AGGREGATIONS', 'as_reward_matrix', 'sum_rewards', 'group_statistics', 'nanstd',
-           'reward_stats', 'compute_advantages']
+           'scale_mode', 'check_aggregation', 'reward_stats', 'compute_advantages']
 
 # %% ../nbs/02_advantages.ipynb
 def _who(j: int, reward_names=None) -> str:
@@ -102,13 +102,21 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def _scale_mode(scale_rewards) -> str:
+def scale_mode(scale_rewards) -> str:
+    "The scaling mode `scale_rewards` names (TRL's True/False too), or a ValueError naming the choices."
     if scale_rewards is True or scale_rewards is False:
         return "group" if scale_rewards else "none"
     if isinstance(scale_rewards, str) and scale_rewards in SCALE_REWARDS:
         return scale_rewards
     raise ValueError(f"scale_rewards={scale_rewards!r} must be one of 'group', 'batch', 'none' "
                      "(or True for 'group', False for 'none').")
+
+
+def check_aggregation(multi_objective_aggregation: str) -> None:
+    "A ValueError unless `multi_objective_aggregation` is one of `MULTI_OBJECTIVE_AGGREGATIONS`."
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} must be one of "
+                         f"{', '.join(map(repr, MULTI_OBJECTIVE_AGGREGATIONS))}.")
 
 
 def _check_groups(n: int, num_generations) -> None:
@@ -168,10 +176,8 @@ def compute_advantages(rewards_per_func, num_generations: int, reward_weights=No
                        *, multi_objective_aggregation: str = "sum_then_normalize",
                        reward_names=None) -> tuple[torch.Tensor, dict]:
     "Group-relative advantages `(N,)` float32 of `rewards_per_func` `(N, F)` (NaN = unscored), and TRL's reward stats."
-    mode = _scale_mode(scale_rewards)
-    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-        raise ValueError(f"multi_objective_aggregation={multi_objective_aggregation!r} must be one of "
-                         f"{', '.join(map(repr, MULTI_OBJECTIVE_AGGREGATIONS))}.")
+    mode = scale_mode(scale_rewards)
+    check_aggregation(multi_objective_aggregation)
     matrix = as_reward_matrix(rewards_per_func, reward_names)
     _check_groups(len(matrix), num_generations)
     weights = _weights(reward_weights, matrix.shape[1])

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from numbers import Integral
 
 # %% auto 0
-__all__ = ['OPTIONAL_COUNTS', 'BATCH_OPTIONS', 'BatchPlan', 'BatchConfigError', 'short_repr', 'suggest_fixes', 'plan_batches',
-           'plan_for', 'describe_error', 'check_trl_versions', 'plot_generation_batch']
+__all__ = ['OPTIONAL_COUNTS', 'BATCH_OPTIONS', 'BatchPlan', 'BatchConfigError', 'short_repr', 'check_num_generations',
+           'suggest_fixes', 'plan_batches', 'plan_for', 'describe_error', 'check_trl_versions', 'plot_generation_batch']
 
 # %% ../nbs/00_batching.ipynb
 @dataclass(frozen=True)
@@ -82,12 +82,17 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
 
 
+def check_num_generations(num_generations) -> None:
+    "num_generations must be at least 2 (a `BatchConfigError`, a ValueError, otherwise)."
+    if num_generations is None or num_generations < 2:
+        raise BatchConfigError(f"num_generations {num_generations} must be >= 2: a group needs two completions "
+                               "to compare (with one, every advantage is 0).")
+
+
 def _resolve_generation(pd: int, processes: int, accumulation: int, num_generations: int,
                         steps_per_generation: int | None, generation_batch_size: int | None) -> tuple[int, int]:
     "`(steps_per_generation, generation_batch_size)` under TRL's rules; raises `BatchConfigError`."
-    if num_generations < 2:
-        raise BatchConfigError(f"num_generations {num_generations} must be >= 2: a group needs two completions "
-                               "to compare (with one, every advantage is 0).")
+    check_num_generations(num_generations)
     if steps_per_generation is not None and generation_batch_size is not None:
         raise BatchConfigError(f"steps_per_generation={steps_per_generation} and generation_batch_size="
                                f"{generation_batch_size} are both set: they say the same thing; set only one.")

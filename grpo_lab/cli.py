@@ -325,7 +325,7 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
 # %% ../nbs/09_cli.ipynb
 def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit: bool = False):
     "The GRPOConfig of one `grpo-lab demo` run."
-    from grpo_lab.trainer import GRPOConfig
+    from grpo_lab.config import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
                       num_generations=recipe.num_generations, max_steps=recipe.steps, learning_rate=recipe.learning_rate,
                       max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type=recipe.lr_scheduler_type,

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 # %% auto 0
-__all__ = ['LM_HEAD_TILE_ELEMENTS', 'LM_HEAD_CHECKPOINT_MIN', 'LOSS_TYPES', 'GLOBAL_TOKEN_LOSS_TYPES',
-           'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS', 'selective_log_softmax',
-           'entropy_from_logits', 'lm_head_logps', 'completion_logps', 'clipped_surrogate', 'kl_k3', 'cispo_objective',
-           'sapo_objective', 'vespo_weights', 'high_entropy_mask', 'off_policy_mask', 'aggregate_loss', 'masked_mean',
-           'importance_log_weights', 'grpo_loss', 'reduce_loss_stats']
+__all__ = ['LM_HEAD_TILE_ELEMENTS', 'LM_HEAD_CHECKPOINT_MIN', 'LOSS_DIVISORS', 'LOSS_TABLE', 'LOSS_TYPES',
+           'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS',
+           'CLIP_STATS', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps', 'completion_logps',
+           'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights', 'high_entropy_mask',
+           'off_policy_mask', 'ObjectiveInputs', 'ppo_objective', 'LossScale', 'LossType', 'check_loss_type',
+           'aggregate_loss', 'check_importance_sampling_level', 'masked_mean', 'importance_log_weights', 'grpo_loss',
+           'LossSettings', 'reduce_loss_stats']
 
 # %% ../nbs/03_loss.ipynb
 def _row_chunks(logits: torch.Tensor, chunk_size: int):
@@ -243,43 +247,135 @@ def _token_normalizer(mask, num_items_in_batch, gradient_accumulation_steps, num
     return total / num_processes * gradient_accumulation_steps / steps_per_generation
 
 # %% ../nbs/03_loss.ipynb
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-GLOBAL_TOKEN_LOSS_TYPES = ("dapo", "cispo", "vespo")   # divided by the token count of the whole generation batch
+@dataclass
+class ObjectiveInputs:
+    "What a loss type's per-token objective reads: tensors `(B, T)`, advantages `(B, 1)` or `(B, T)`, and its settings."
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    per_token_logps: torch.Tensor
+    mask: torch.Tensor
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_params: tuple = (2.0, 3.0, 3.0, 2.0)       # k_pos, lambda_pos, k_neg, lambda_neg
 
 
+def ppo_objective(x: ObjectiveInputs):
+    "PPO's clipped surrogate; its clip statistics see the ratio after `delta`'s cap, as TRL's do."
+    capped = x.ratio if x.delta is None else x.ratio.clamp(max=x.delta)
+    return clipped_surrogate(x.ratio, x.advantages, x.epsilon_low, x.epsilon_high, x.delta), capped, None
+
+
+def _cispo(x: ObjectiveInputs):
+    return cispo_objective(x.ratio, x.advantages, x.per_token_logps, x.epsilon_high), x.ratio, None
+
+
+def _sapo(x: ObjectiveInputs):
+    return sapo_objective(x.ratio, x.advantages, x.sapo_temperature_pos, x.sapo_temperature_neg), x.ratio, None
+
+
+def _vespo(x: ObjectiveInputs):
+    phi = vespo_weights(x.advantages, x.log_ratio, x.mask, *x.vespo_params)
+    return phi * x.advantages * x.per_token_logps, x.ratio, phi
+
+# %% ../nbs/03_loss.ipynb
+@dataclass
+class LossScale:
+    "What a divisor may need besides the micro-batch: the generation limit and the accumulation arithmetic."
+    max_completion_length: int | None = None
+    num_items_in_batch: float | torch.Tensor | None = None
+    gradient_accumulation_steps: int = 1
+    num_processes: int = 1
+    steps_per_generation: int | None = None
+
+
+def _per_sequence_mean(masked, mask, s: LossScale):
+    return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / s.gradient_accumulation_steps
+
+
+def _per_micro_batch_token(masked, mask, s: LossScale):
+    return masked.sum() / mask.sum().clamp(min=1) / s.gradient_accumulation_steps
+
+
+def _per_sequence_sum(masked, mask, s: LossScale):
+    return masked.sum(-1).mean() / s.gradient_accumulation_steps
+
+
+def _per_max_length(masked, mask, s: LossScale):
+    width = _check_max_length(s.max_completion_length, mask.shape[1])
+    return masked.sum() / (len(masked) * width) / s.gradient_accumulation_steps
+
+
+def _per_generation_token(masked, mask, s: LossScale):      # already this process's share of a step: no / GA
+    return masked.sum() / _token_normalizer(mask, s.num_items_in_batch, s.gradient_accumulation_steps,
+                                            s.num_processes, s.steps_per_generation)
+
+
+LOSS_DIVISORS = {"sequence_mean": _per_sequence_mean, "micro_batch_tokens": _per_micro_batch_token,
+                 "sequence_sum": _per_sequence_sum, "max_length": _per_max_length,
+                 "generation_tokens": _per_generation_token}
+
+# %% ../nbs/03_loss.ipynb
+@dataclass(frozen=True)
+class LossType:
+    "One row of `LOSS_TABLE`."
+    objective: Callable                 # ObjectiveInputs -> (objective (B, T), ratio for clip stats, VESPO's phi or None)
+    divisor: str                        # a key of LOSS_DIVISORS
+    clip_stats: str | None = "ppo"      # a key of CLIP_STATS, or None
+    length_weighted: bool = False       # sums over tokens: a sequence-level ratio weighs a sequence by its length
+
+
+LOSS_TABLE = {
+    "grpo": LossType(ppo_objective, "sequence_mean"),
+    "bnpo": LossType(ppo_objective, "micro_batch_tokens", length_weighted=True),
+    "dr_grpo": LossType(ppo_objective, "max_length", length_weighted=True),
+    "dapo": LossType(ppo_objective, "generation_tokens", length_weighted=True),
+    "cispo": LossType(_cispo, "generation_tokens", clip_stats="cispo", length_weighted=True),
+    "sapo": LossType(_sapo, "sequence_mean", clip_stats=None),
+    "luspo": LossType(ppo_objective, "sequence_sum"),
+    "vespo": LossType(_vespo, "generation_tokens", clip_stats="vespo"),
+}
+LOSS_TYPES = tuple(LOSS_TABLE)
+GLOBAL_TOKEN_LOSS_TYPES = tuple(n for n, t in LOSS_TABLE.items() if t.divisor == "generation_tokens")
+
+
+def check_loss_type(loss_type: str) -> LossType:
+    "The table row of `loss_type`, or a ValueError naming the choices."
+    if loss_type not in LOSS_TABLE:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {tuple(LOSS_TABLE)}.")
+    return LOSS_TABLE[loss_type]
+
+# %% ../nbs/03_loss.ipynb
 def aggregate_loss(per_token_loss: torch.Tensor, completion_mask: torch.Tensor, loss_type: str = "grpo",
                    max_completion_length: int | None = None, num_items_in_batch=None,
                    gradient_accumulation_steps: int = 1, num_processes: int = 1,
                    steps_per_generation: int | None = None) -> torch.Tensor:
     "The loss to back-propagate for one micro-batch: `per_token_loss (B, T)` averaged over the mask as `loss_type` says."
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
+    divisor = LOSS_DIVISORS[check_loss_type(loss_type).divisor]
     mask = completion_mask.to(per_token_loss.dtype)
-    masked = per_token_loss * mask
-    if loss_type in GLOBAL_TOKEN_LOSS_TYPES:
-        return masked.sum() / _token_normalizer(mask, num_items_in_batch, gradient_accumulation_steps,
-                                                num_processes, steps_per_generation)
-    if loss_type in ("grpo", "sapo"):
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif loss_type == "bnpo":
-        loss = masked.sum() / mask.sum().clamp(min=1)
-    elif loss_type == "luspo":
-        loss = masked.sum(-1).mean()
-    else:
-        loss = masked.sum() / (len(per_token_loss) * _check_max_length(max_completion_length, mask.shape[1]))
-    return loss / gradient_accumulation_steps
+    scale = LossScale(max_completion_length, num_items_in_batch, gradient_accumulation_steps, num_processes,
+                      steps_per_generation)
+    return divisor(per_token_loss * mask, mask, scale)
 
 # %% ../nbs/03_loss.ipynb
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def check_importance_sampling_level(importance_sampling_level: str) -> None:
+    "A ValueError unless the level is 'token' (PPO's ratio per token) or 'sequence' (GSPO's, one per sequence)."
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}.")
 
 
 def _check_loss_args(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps,
                      beta, epsilon_low, epsilon_high, importance_sampling_level, delta, entropies,
                      top_entropy_quantile, entropy_coef):
     "Raise a ValueError naming the first bad argument of `grpo_loss`."
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
-                         f"{IMPORTANCE_SAMPLING_LEVELS}.")
+    check_importance_sampling_level(importance_sampling_level)
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must be (B, T), got shape {tuple(per_token_logps.shape)}.")
     shape = tuple(per_token_logps.shape)
@@ -345,6 +441,27 @@ def _sequence_means(flags, mask):
     return flags[:, 0] if flags.shape[1] == 1 else (flags * mask).sum(-1) / mask.sum(-1)
 
 
+def _ppo_clip_stats(ratio, advantages, mask, epsilon_low, epsilon_high, phi):
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).to(mask.dtype)
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype)
+    low, high = torch.broadcast_tensors(low, high)
+    return {"clip_ratio/low_mean": _mean_per_unit(low, mask), "clip_ratio/high_mean": _mean_per_unit(high, mask),
+            "clip_ratio/region_mean": _mean_per_unit(torch.maximum(low, high), mask),
+            "clip_ratio/low_min": _sequence_means(low, mask).nan_to_num(nan=math.inf).min(),
+            "clip_ratio/high_max": _sequence_means(high, mask).nan_to_num(nan=-math.inf).max()}
+
+
+def _cispo_clip_stats(ratio, advantages, mask, epsilon_low, epsilon_high, phi):
+    return {"cispo_clip_ratio": _mean_per_unit(((ratio > epsilon_high) & (advantages > 0)).to(mask.dtype), mask)}
+
+
+def _vespo_stats(ratio, advantages, mask, epsilon_low, epsilon_high, phi):
+    return {"vespo/phi_seq_mean": _mean_per_unit(phi, mask)}
+
+
+CLIP_STATS = {"ppo": _ppo_clip_stats, "cispo": _cispo_clip_stats, "vespo": _vespo_stats}
+
+
 @torch.no_grad()
 def _loss_stats(loss_type, ratio, advantages, mask, epsilon_low, epsilon_high, kl, entropies, phi, policy_loss):
     "The metrics TRL logs for one micro-batch (before any reduction over processes), as floats."
@@ -353,38 +470,15 @@ def _loss_stats(loss_type, ratio, advantages, mask, epsilon_low, epsilon_high, k
         stats["kl"] = _mean_per_unit(kl, mask)
     if entropies is not None:
         stats["entropy"] = _mean_per_unit(entropies.float(), mask)
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        low = ((ratio < 1 - epsilon_low) & (advantages < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype)
-        low, high = torch.broadcast_tensors(low, high)
-        stats |= {"clip_ratio/low_mean": _mean_per_unit(low, mask), "clip_ratio/high_mean": _mean_per_unit(high, mask),
-                  "clip_ratio/region_mean": _mean_per_unit(torch.maximum(low, high), mask),
-                  "clip_ratio/low_min": _sequence_means(low, mask).nan_to_num(nan=math.inf).min(),
-                  "clip_ratio/high_max": _sequence_means(high, mask).nan_to_num(nan=-math.inf).max()}
-    elif loss_type == "cispo":
-        stats["cispo_clip_ratio"] = _mean_per_unit(((ratio > epsilon_high) & (advantages > 0)).to(mask.dtype), mask)
-    elif loss_type == "vespo":
-        stats["vespo/phi_seq_mean"] = _mean_per_unit(phi, mask)
+    clip_stats = LOSS_TABLE[loss_type].clip_stats
+    if clip_stats is not None:
+        stats |= CLIP_STATS[clip_stats](ratio, advantages, mask, epsilon_low, epsilon_high, phi)
     if policy_loss is not None:
         stats["policy_loss"] = policy_loss
     stats |= {"num_tokens": mask.sum(), "num_sequences": torch.tensor(float(len(mask))),
               "num_ratios": mask.sum() if ratio.shape[1] > 1 else torch.tensor(float(len(mask)))}
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(mask.device) for v in stats.values()]).tolist()
     return {k: (math.nan if math.isinf(v) else v) for k, v in zip(stats, values)}   # one device-to-host copy
-
-# %% ../nbs/03_loss.ipynb
-def _per_token_objective(loss_type, ratio, log_ratio, advantages, per_token_logps, mask, epsilon_low, epsilon_high,
-                         delta, sapo_temperature_pos, sapo_temperature_neg, vespo_params):
-    "The per-token objective of `loss_type` (to maximise), the ratio its clip stats see, and VESPO's weights."
-    if loss_type == "cispo":
-        return cispo_objective(ratio, advantages, per_token_logps, epsilon_high), ratio, None
-    if loss_type == "sapo":
-        return sapo_objective(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg), ratio, None
-    if loss_type == "vespo":
-        phi = vespo_weights(advantages, log_ratio, mask, *vespo_params)
-        return phi * advantages * per_token_logps, ratio, phi
-    capped = ratio if delta is None else ratio.clamp(max=delta)
-    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta), capped, None
 
 # %% ../nbs/03_loss.ipynb
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None, advantages: torch.Tensor,
@@ -408,9 +502,9 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     log_ratio = per_token_logps - old
     ratio = torch.exp(importance_log_weights(log_ratio, mask, importance_sampling_level))
-    objective, clip_ratio, phi = _per_token_objective(
-        loss_type, ratio, log_ratio, advantages, per_token_logps, mask, epsilon_low, epsilon_high, delta,
-        sapo_temperature_pos, sapo_temperature_neg, (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg))
+    objective, clip_ratio, phi = check_loss_type(loss_type).objective(ObjectiveInputs(
+        ratio, log_ratio, advantages, per_token_logps, mask, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
+        sapo_temperature_neg, (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)))
     per_token_loss = -objective
     if off_policy_mask_threshold is not None:
         sampling = old if sampling_per_token_logps is None else sampling_per_token_logps
@@ -430,11 +524,51 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     loss = aggregate_loss(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch, **scale)
     policy_loss = None
     if entropy_coef is not None:
-        policy_loss = loss.detach() * (1 if loss_type in GLOBAL_TOKEN_LOSS_TYPES else gradient_accumulation_steps)
+        policy_loss = loss.detach() * (1 if LOSS_TABLE[loss_type].divisor == "generation_tokens" else gradient_accumulation_steps)
         loss = loss - entropy_coef * masked_mean(entropies, kept) / gradient_accumulation_steps
     stats = _loss_stats(loss_type, clip_ratio, advantages, mask, epsilon_low, epsilon_high, kl, entropies, phi,
                         policy_loss)
     return loss, stats
+
+# %% ../nbs/03_loss.ipynb
+@dataclass
+class LossSettings:
+    "`grpo_loss`'s settings that stay fixed for a run (its keyword names), built once from a `GRPOConfig`."
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    loss_type: str = "grpo"
+    max_completion_length: int | None = None
+    importance_sampling_level: str = "token"
+    kl_bias_correction: bool = True
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    gradient_accumulation_steps: int = 1
+    num_processes: int = 1
+    steps_per_generation: int | None = None
+
+    @classmethod
+    def from_config(cls, args, num_processes: int = 1, steps_per_generation: int | None = None) -> LossSettings:
+        "The loss settings of a `GRPOConfig` run on `num_processes` processes with the plan's `steps_per_generation`."
+        same = {f: getattr(args, f) for f in ("beta", "loss_type", "max_completion_length", "importance_sampling_level",
+                                              "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                                              "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                                              "top_entropy_quantile", "off_policy_mask_threshold",
+                                              "gradient_accumulation_steps")}
+        high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        return cls(**same, epsilon_low=args.epsilon, epsilon_high=high, kl_bias_correction=args.use_bias_correction_kl,
+                   num_processes=num_processes, steps_per_generation=steps_per_generation)
+
+    def kwargs(self) -> dict:
+        "The settings as `grpo_loss` keyword arguments."
+        return dict(vars(self))
 
 # %% ../nbs/03_loss.ipynb
 def reduce_loss_stats(stats_per_process: list[dict]) -> dict:

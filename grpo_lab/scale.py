@@ -53,7 +53,7 @@ def per_device_memory(estimate, strategy: str, num_processes: int):
 @functools.cache
 def _config_fields() -> dict:
     "GRPOConfig's options as `{name: (type, default)}`, read from the class on first use (importing it loads torch)."
-    from grpo_lab.trainer import GRPOConfig
+    from grpo_lab.config import GRPOConfig
     try:
         hints = typing.get_type_hints(GRPOConfig)
     except (NameError, TypeError):
@@ -360,7 +360,7 @@ def read_run(run, overrides: Mapping | None = None) -> dict:
 
 def build_config(options: Mapping):
     "`GRPOConfig(**options)` for options that `read_run` checked (the class is imported here: it loads torch)."
-    from grpo_lab.trainer import GRPOConfig
+    from grpo_lab.config import GRPOConfig
     return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS})
 
 # %% ../nbs/08_scale.ipynb

@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import logging
 import math
-import os
 import random
-import shutil
 import tempfile
-from collections import defaultdict, deque
 import time
-import warnings
-import weakref
-from dataclasses import dataclass, field
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Iterator
@@ -30,447 +25,31 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from datasets import IterableDataset
 from fastcore.basics import patch
-from transformers import DynamicCache, GenerationConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, get_scheduler
+from transformers import TrainerCallback, TrainerControl, TrainerState, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from .advantages import compute_advantages
-from .batching import plan_for, short_repr
-from .data import STREAM_CHECK_ROWS, is_conversational, load_prompts, prompt_token_lengths, render_prompt
-from .loss import LOSS_TYPES, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
-from .models import check_checkpoint_matches, eos_token_ids, load_policy, make_reference, reference_logps
+from .batching import plan_for
+from . import checkpoint as ckpt
+from .checkpoint import batch_options, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
+from .config import GRPOConfig, as_dict
+from .data import STREAM_CHECK_ROWS, is_conversational, load_prompts, prompt_token_lengths
+from .loss import (LOSS_TABLE, LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask,
+                           reduce_loss_stats)
+from .models import eos_token_ids, load_policy, make_reference, reference_logps
 from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_function, check_reward_arguments,
                               reward_names, score)
+from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine,
+                              check_stream_length, generation_chunks, generation_rows, length_metrics, process_rows,
+                              stream_chunks)
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'REFUSED_OPTIONS', 'SHARED_PREFILL_MIN_FLOPS', 'GRPOConfig', 'generation_chunks', 'expand_groups',
-           'process_rows', 'stream_chunks', 'tokenize_prompts', 'generation_config', 'completion_mask', 'prompt_groups',
-           'prefill_once_per_prompt', 'prefill_saving', 'sample_completions', 'Rollout', 'TrainingInterrupted',
-           'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep', 'plot_history']
-
-# %% ../nbs/06_trainer.ipynb
-@dataclass
-class GRPOConfig(TrainingArguments):
-    """Everything a GRPO run needs besides the model, the rewards and the data: TRL 1.16's `GRPOConfig`.
-
-    Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
-    `max_prompt_length` (cut prompts from the left) and the model-loading shortcuts `load_in_4bit`, `lora_r`,
-    `lora_alpha`, `lora_dropout`, `target_modules` are grpo-lab's; the fields in `REFUSED_OPTIONS` raise a
-    `ValueError` when set, and `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
-    # TrainingArguments defaults that TRL changes
-    learning_rate: float = 1e-6
-    logging_steps: float = 10
-    gradient_checkpointing: bool = True
-    bf16: bool | None = None
-    remove_unused_columns: bool = False
-    lr_scheduler_kwargs: dict | str | None = None
-    use_liger_kernel: bool = False
-    torch_empty_cache_steps: int | None = None
-    # the model
-    model_init_kwargs: dict | str | None = None
-    trust_remote_code: bool = False
-    router_aux_loss_coef: float | None = None
-    disable_dropout: bool = False
-    cast_lm_head_to_fp32: bool = False
-    # batches and generation (see 00_batching)
-    num_generations: int | None = 8
-    num_generations_eval: int | None = None
-    max_completion_length: int | None = 512
-    ds3_gather_for_generation: bool = True
-    shuffle_dataset: bool | None = True
-    pad_to_multiple_of: int | str | None = "auto"
-    generation_batch_size: int | None = None
-    steps_per_generation: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    generation_kwargs: dict | str | None = None
-    chat_template_kwargs: dict | str | None = None
-    repetition_penalty: float = 1.0
-    cache_implementation: str | None = None
-    # vLLM (TRL's fast generation server): not available in grpo-lab
-    use_vllm: bool = False
-    vllm_mode: str = "colocate"
-    vllm_model_impl: str = "vllm"
-    vllm_enable_sleep_mode: bool = False
-    vllm_structured_outputs_regex: str | None = None
-    vllm_server_base_url: str | None = None
-    vllm_server_host: str = "0.0.0.0"
-    vllm_server_port: int = 8000
-    vllm_server_timeout: float = 240.0
-    vllm_group_port: int = 51216
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_max_model_length: int | None = None
-    vllm_tensor_parallel_size: int = 1
-    # the objective (see 02_advantages and 03_loss)
-    beta: float = 0.0
-    num_iterations: int = 1
-    epsilon: float = 0.2
-    delta: float | None = None
-    epsilon_high: float | None = None
-    sapo_temperature_neg: float = 1.05
-    sapo_temperature_pos: float = 1.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    importance_sampling_level: str = "token"
-    reward_weights: list[float] | None = None
-    multi_objective_aggregation: str = "sum_then_normalize"
-    scale_rewards: str = "group"
-    loss_type: str = "dapo"
-    mask_truncated_completions: bool = False
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2
-    max_tool_calling_iterations: int | None = None
-    vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    vllm_importance_sampling_clip_min: float | None = None
-    off_policy_mask_threshold: float | None = None
-    use_bias_correction_kl: bool = True
-    # logging
-    log_completions: bool = False
-    log_multimodal: bool = True
-    num_completions_to_print: int | None = None
-    log_unique_prompts: bool = False
-    log_completions_hub_repo: str | None = None
-    use_transformers_continuous_batching: bool = False
-    transformers_continuous_batching_config: dict | str | None = None
-    use_transformers_paged: bool = False
-    vllm_importance_sampling_cap: float | None = None
-    # grpo-lab's own
-    max_prompt_length: int | None = None
-    load_in_4bit: bool = False
-    lora_r: int | None = None
-    lora_alpha: int | None = None
-    lora_dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
-
-    def __post_init__(self):
-        self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
-        _coerce_numbers(self)
-        _refuse_unsupported(self)
-        self.bf16 = _resolve_bf16(self.bf16, self.fp16, self.use_cpu)
-        with warnings.catch_warnings():      # transformers 5 renames gradient_checkpointing; TRL still passes it
-            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
-            super().__post_init__()
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of)
-        _check_ranges(self)
-
-# %% ../nbs/06_trainer.ipynb
-def _numeric_type(annotation) -> type | None:
-    "float or int when a field's annotation says so (e.g. 'float | None'), else None."
-    text = str(annotation)
-    if "str" in text or "dict" in text or "list" in text:
-        return None
-    return float if "float" in text else int if text.startswith("int") else None
-
-
-def _coerce_numbers(cfg) -> None:
-    "Turn numeric strings into numbers for numeric fields; a non-number gets an error naming the option."
-    for f in dataclasses.fields(cfg):
-        value, kind = getattr(cfg, f.name), _numeric_type(f.type)
-        if kind is None or not isinstance(value, str):
-            continue
-        try:
-            setattr(cfg, f.name, kind(float(value)) if kind is int and float(value).is_integer() else kind(value))
-        except ValueError:
-            raise ValueError(f"{f.name}={short_repr(value)} is not a number: give a {kind.__name__} "
-                             f"such as {f.name}={f.default!r}.") from None
-
-# %% ../nbs/06_trainer.ipynb
-REFUSED_OPTIONS = {
-    "use_vllm": "grpo-lab generates with transformers' generate; vLLM is not supported (leave use_vllm=False)",
-    "use_liger_kernel": "Liger kernels are not supported; grpo-lab computes log-probs in tiles already (03_loss)",
-    "use_transformers_continuous_batching": "transformers' continuous batching was slower than padded generate in every "
-        "CPU measurement (1.2-2.9x at real shapes, 10x or more at the tiny model; 10_bench, BENCHMARKS.md) and samples "
-        "with its own seed, so seeded runs would not repeat; grpo-lab generates padded batches, each prompt prefilled "
-        "once per group (leave it False)",
-    "use_transformers_paged": "paged generation is TRL's deprecated name for continuous batching, which grpo-lab does "
-        "not use (see use_transformers_continuous_batching; leave it False)",
-    "max_tool_calling_iterations": "tool calling is not supported",
-    "log_completions_hub_repo": "completions are written to output_dir/completions.jsonl, never pushed to a hub",
-    "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",
-    "deepspeed": "grpo-lab takes DeepSpeed from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
-    "fsdp": "grpo-lab takes FSDP from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
-    "torch_compile": "torch.compile is not supported by the GRPO loop",
-    "neftune_noise_alpha": "NEFTune noise is a supervised fine-tuning technique, not part of GRPO",
-    "label_smoothing_factor": "label smoothing does not apply to the GRPO loss",
-    "auto_find_batch_size": "halving the batch on out-of-memory would break whole prompt groups; lower per_device_train_batch_size",
-    "remove_unused_columns": "grpo-lab passes every dataset column to the reward functions (TRL's default, False)",
-}
-
-
-def _default(cls, name: str):
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _refuse_unsupported(cfg) -> None:
-    "Raise for any field of `REFUSED_OPTIONS` set to a value that would change the run."
-    for name, reason in REFUSED_OPTIONS.items():
-        value = getattr(cfg, name)
-        if value != _default(type(cfg), name) and value not in (None, "", [], False):
-            raise ValueError(f"{name}={short_repr(value)} is not supported by grpo-lab: {reason}.")
-
-# %% ../nbs/06_trainer.ipynb
-def _resolve_bf16(bf16: bool | None, fp16: bool, use_cpu: bool) -> bool:
-    "TRL's `bf16=None` means 'bf16 unless fp16'; grpo-lab adds 'and only where the hardware has bf16'."
-    if bf16 is not None:
-        return bf16
-    return not fp16 and not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def _pad_multiple(value) -> int | None:
-    "TRL's 'auto' pads only for Neuron devices, which grpo-lab does not run on: no padding multiple."
-    if isinstance(value, str):
-        value = None if value.lower() in ("auto", "none", "null") else int(value)
-    return value
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_ranges(cfg) -> None:
-    "GRPO-specific range checks; each message names the value, the rule and the fix."
-    _check(cfg.loss_type in LOSS_TYPES, f"loss_type={short_repr(cfg.loss_type)} is not one of {LOSS_TYPES}.")
-    _check(cfg.importance_sampling_level in ("token", "sequence"),
-           f"importance_sampling_level={short_repr(cfg.importance_sampling_level)} must be 'token' or 'sequence'.")
-    _check(cfg.scale_rewards in ("group", "batch", "none"),
-           f"scale_rewards={short_repr(cfg.scale_rewards)} must be 'group', 'batch' or 'none'.")
-    _check(cfg.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
-           f"multi_objective_aggregation={short_repr(cfg.multi_objective_aggregation)} must be "
-           "'sum_then_normalize' or 'normalize_then_sum'.")
-    _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
-    _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
-    _check(cfg.max_completion_length is not None and cfg.max_completion_length >= 1,
-           f"max_completion_length={cfg.max_completion_length} must be >= 1 (TRL's default is 512).")
-    _check(cfg.max_prompt_length is None or cfg.max_prompt_length >= 1,
-           f"max_prompt_length={cfg.max_prompt_length} must be >= 1, or None for no limit.")
-    _check(cfg.learning_rate > 0, f"learning_rate={cfg.learning_rate} must be > 0.")
-    _check(cfg.beta >= 0, f"beta={cfg.beta} must be >= 0 (0 turns the KL term off).")
-    _check(cfg.epsilon >= 0 and (cfg.epsilon_high is None or cfg.epsilon_high >= 0),
-           f"epsilon={cfg.epsilon} and epsilon_high={cfg.epsilon_high} must be >= 0.")
-    _check(0 < cfg.top_entropy_quantile <= 1, f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1].")
-    _check(not cfg.use_adaptive_entropy or (cfg.entropy_coef_delta >= 0 and cfg.entropy_coef_min <= cfg.entropy_coef_max),
-           f"use_adaptive_entropy=True needs entropy_coef_delta >= 0 and entropy_coef_min <= entropy_coef_max; got "
-           f"delta={cfg.entropy_coef_delta}, min={cfg.entropy_coef_min}, max={cfg.entropy_coef_max}.")
-    _check(cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations} must be >= 1.")
-    _check(cfg.max_steps != 0, "max_steps=0 would train nothing; use -1 to train num_train_epochs, or a positive number.")
-    _check(cfg.max_steps > 0 or (float(cfg.num_train_epochs).is_integer() and cfg.num_train_epochs >= 1),
-           f"num_train_epochs={cfg.num_train_epochs} must be a whole number >= 1 (grpo-lab's plans count whole epochs; "
-           "use max_steps for part of an epoch).")
-    _check(cfg.num_generations is not None and cfg.num_generations >= 2,
-           f"num_generations={cfg.num_generations} must be >= 2: a group needs two completions to compare.")
-    _check(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0 (a fraction below 1 is a ratio of the run).")
-    _check(cfg.lora_r is None or cfg.lora_r >= 1, f"lora_r={cfg.lora_r} must be >= 1, or None for full fine-tuning.")
-    _check(0 <= cfg.lora_dropout < 1, f"lora_dropout={cfg.lora_dropout} must be in [0, 1).")
-    _check(not (cfg.bf16 and cfg.fp16), "bf16=True and fp16=True: choose one mixed-precision mode.")
-    _check(not (cfg.sync_ref_model and cfg.beta == 0), "sync_ref_model=True needs a reference model, which beta=0 "
-           "does not create: set beta > 0 or sync_ref_model=False.")
-
-# %% ../nbs/06_trainer.ipynb
-def generation_chunks(dataset_size: int, unique_prompts: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
-    "The prompt indices of each generation batch of `epoch`: a seeded shuffle cut into whole chunks."
-    order = torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + epoch)).tolist() \
-        if shuffle else list(range(dataset_size))
-    return [order[i * unique_prompts:(i + 1) * unique_prompts] for i in range(dataset_size // unique_prompts)]
-
-
-def expand_groups(indices: list[int], num_generations: int) -> list[int]:
-    "Repeat each prompt index `num_generations` times, consecutively (one group per prompt)."
-    return [i for i in indices for _ in range(num_generations)]
-
-
-def process_rows(total_rows: int, num_processes: int, process_index: int) -> slice:
-    "The rows of a generation batch that process `process_index` generates."
-    per_process = total_rows // num_processes
-    return slice(process_index * per_process, (process_index + 1) * per_process)
-
-# %% ../nbs/06_trainer.ipynb
-def stream_chunks(rows, unique_prompts: int, start: int = 0) -> Iterator[tuple[int, list[dict], bool]]:
-    "Whole generation batches read in order from `rows`, from batch `start` on: `(index, rows, is_last)`."
-    rows = iter(rows)
-    for _ in islice(rows, start * unique_prompts):      # batches a resumed run has used already
-        pass
-    chunk, index = list(islice(rows, unique_prompts)), start
-    while len(chunk) == unique_prompts:
-        following = list(islice(rows, unique_prompts))   # read one batch ahead: is this the epoch's last?
-        yield index, chunk, len(following) < unique_prompts
-        chunk, index = following, index + 1
-
-
-def _check_stream_length(streaming: bool, max_steps: int) -> None:
-    "A stream has no length: the run's length must come from max_steps."
-    if streaming and max_steps <= 0:
-        raise ValueError(f"train_dataset is a stream (datasets.IterableDataset) and max_steps={max_steps}: a stream has "
-                         "no length, so num_train_epochs cannot say how many steps to train; set max_steps to the "
-                         "number of optimizer steps (e.g. max_steps=500).")
-
-# %% ../nbs/06_trainer.ipynb
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None = None, pad_to_multiple_of: int | None = None):
-    "Left-padded `(input_ids, attention_mask)` `(B, P)` and how many prompts were cut from the left."
-    unique = {p: tokenizer(p, add_special_tokens=False)["input_ids"] for p in dict.fromkeys(prompts)}   # G copies: once
-    ids = [unique[p] for p in prompts]
-    n_truncated = 0
-    if max_prompt_length is not None:
-        n_truncated = sum(len(x) > max_prompt_length for x in ids)
-        ids = [x[-max_prompt_length:] for x in ids]
-    width = max(len(x) for x in ids)
-    if pad_to_multiple_of:
-        width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-    return input_ids, attention_mask, n_truncated
-
-# %% ../nbs/06_trainer.ipynb
-def generation_config(args: GRPOConfig, tokenizer, eos_ids: list[int], max_new_tokens: int | None = None) -> GenerationConfig:
-    "The sampling settings of a GRPO rollout, explicit so that model defaults cannot leak in."
-    settings = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                    max_new_tokens=max_new_tokens or args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids, use_cache=True,
-                    cache_implementation=args.cache_implementation)
-    return GenerationConfig(**{**settings, **(args.generation_kwargs or {})})
-
-
-def completion_mask(completion_ids: torch.Tensor, eos_ids: int | list[int]):
-    "`(B, T)` mask up to and including the first EOS, and `(B,)` True where no EOS was produced."
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids],
-                                                     device=completion_ids.device))
-    T = completion_ids.size(1)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    mask = (torch.arange(T, device=completion_ids.device).unsqueeze(0) <= first_eos.unsqueeze(1)).int()
-    return mask, ~is_eos.any(1)
-
-# %% ../nbs/06_trainer.ipynb
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "`(B,)` True where a run of identical consecutive prompt rows starts, and `(B,)` the run (group) of each row."
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
-    starts = torch.cat([same.new_ones(1), ~same])
-    return starts, starts.long().cumsum(0) - 1
-
-
-def _can_share_prefill(model, gen_config: GenerationConfig, prompt_ids: torch.Tensor) -> bool:
-    "Shared prefill needs a plain dynamic cache, one beam and a decoder-only model (anything else: plain generate)."
-    return (prompt_ids.size(1) > 1 and gen_config.use_cache is not False and (gen_config.num_beams or 1) == 1
-            and gen_config.cache_implementation is None and getattr(gen_config, "prefill_chunk_size", None) is None
-            and not getattr(model.config, "is_encoder_decoder", False))
-
-
-@torch.no_grad()
-def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> DynamicCache | None:
-    "KV cache of every row's prompt but its last token, computed once per group of identical rows; None if no row repeats."
-    starts, group = prompt_groups(prompt_ids, prompt_mask)
-    if starts.all():
-        return None
-    ids, mask = prompt_ids[starts, :-1], prompt_mask[starts, :-1]
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    accepts = inspect.signature(base.forward).parameters
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
-    if "position_ids" in accepts:     # as generate numbers a left-padded row: from its first real token
-        extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    cache = DynamicCache(config=base.config)
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
-    cache.batch_select_indices(group.to(ids.device))      # one copy of its group's cache per row
-    return cache
-
-
-# Prompt work (FLOPs) the shared prefill must save to pay for its one extra forward call; CPU measured, the rest a guess
-SHARED_PREFILL_MIN_FLOPS = {"cpu": 2e9, "cuda": 1e12}
-
-
-def prefill_saving(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> float:
-    "About the FLOPs a shared prefill saves: 2 x parameters (embeddings aside) x prompt tokens not read again."
-    starts, _ = prompt_groups(prompt_ids, prompt_mask)
-    repeats = len(starts) - int(starts.sum())
-    return 2.0 * _body_parameters(model) * repeats * (prompt_ids.size(1) - 1)
-
-
-_BODY_PARAMETERS = weakref.WeakKeyDictionary()
-
-
-def _body_parameters(model) -> int:
-    "`model.num_parameters(exclude_embeddings=True)`, counted once per model (a walk over every module)."
-    if model not in _BODY_PARAMETERS:
-        _BODY_PARAMETERS[model] = model.num_parameters(exclude_embeddings=True)
-    return _BODY_PARAMETERS[model]
-
-
-@torch.no_grad()
-def sample_completions(model, tokenizer, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
-                       share_prefill: bool | None = None):
-    "Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`."
-    was_training = model.training
-    model.eval()
-    if share_prefill is None:       # automatic: share where the prompt work saved outweighs one more forward call
-        share_prefill = prefill_saving(model, prompt_ids, prompt_mask) >= \
-            SHARED_PREFILL_MIN_FLOPS.get(prompt_ids.device.type, SHARED_PREFILL_MIN_FLOPS["cuda"])
-    cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask) \
-        if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         **({} if cache is None else {"past_key_values": cache}))
-    model.train(was_training)
-    completion_ids = out[:, prompt_ids.size(1):]
-    mask, truncated = completion_mask(completion_ids, eos_ids)
-    return completion_ids, mask, truncated
-
-# %% ../nbs/06_trainer.ipynb
-@dataclass
-class Rollout:
-    "What one generation batch produced on this process; rows are completions."
-    prompt_ids: torch.Tensor            # (B, P), left-padded
-    prompt_mask: torch.Tensor           # (B, P)
-    completion_ids: torch.Tensor        # (B, T)
-    completion_mask: torch.Tensor       # (B, T), zero after EOS and, with mask_truncated_completions, on truncated rows
-    advantages: torch.Tensor            # (B,)
-    old_logps: torch.Tensor | None = None   # (B, T) when the policy moves before the update
-    ref_logps: torch.Tensor | None = None   # (B, T) when beta > 0
-    num_items_in_batch: float = 0.0     # completion tokens of the whole generation batch, all processes
-    metrics: dict = field(default_factory=dict)
-    samples: list = field(default_factory=list)
-
-    def __len__(self):
-        return self.prompt_ids.size(0)
-
-    def select(self, idx: torch.Tensor) -> "Rollout":
-        "The rows `idx` of every per-row tensor (a micro-batch)."
-        pick = lambda t: None if t is None else t[idx]
-        return dataclasses.replace(self, prompt_ids=self.prompt_ids[idx], prompt_mask=self.prompt_mask[idx],
-                                   completion_ids=self.completion_ids[idx], completion_mask=self.completion_mask[idx],
-                                   advantages=self.advantages[idx], old_logps=pick(self.old_logps),
-                                   ref_logps=pick(self.ref_logps))
-
-    def tensors(self) -> dict:
-        "The rollout as plain tensors and numbers, for a checkpoint that loads without pickle."
-        return {k: v for k, v in dataclasses.asdict(self).items()}
-
-# %% ../nbs/06_trainer.ipynb
-def _length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    "TRL's completion-length metrics over all processes' completions."
-    done = lengths[~truncated.bool()]
-    terminated = {"mean": done.mean().item(), "min": done.min().item(), "max": done.max().item()} if len(done) \
-        else {"mean": 0.0, "min": 0.0, "max": 0.0}
-    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
-            **{f"completions/{k}_terminated_length": v for k, v in terminated.items()}}
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep',
+           'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 class TrainingInterrupted(KeyboardInterrupt):
@@ -496,7 +75,7 @@ class GRPOTrainer:
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`."
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
-                 optimizers=(None, None), peft_config=None):
+                 optimizers=(None, None), peft_config=None, engine: RolloutEngine | None = None):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a dataset with a 'prompt' column "
@@ -511,12 +90,12 @@ class GRPOTrainer:
         self.streaming = isinstance(self.train_dataset, IterableDataset)
         if self.streaming:
             _configure_for_streaming(args)
-        _check_stream_length(self.streaming, args.max_steps)
+        check_stream_length(self.streaming, args.max_steps)
         _warn_length_weighted_sequences(args)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
                                        cpu=args.use_cpu)
         self.plan = plan_for(args, self.accelerator.num_processes, None if self.streaming else len(self.train_dataset))
-        args.steps_per_generation, args.generation_batch_size = self.plan.steps_per_generation, self.plan.generation_batch_size
+        self.loss_settings = LossSettings.from_config(args, self.accelerator.num_processes, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
         model, self.processing_class = self._load_model(model, processing_class, peft_config)
         self.reward_funcs = self._load_rewards(reward_funcs, reward_processing_classes)
@@ -525,6 +104,8 @@ class GRPOTrainer:
         self._logs = _completion_logs(self.plan.generation_batch_size)
         self.eos_ids = eos_token_ids(model, self.processing_class)
         self.max_new_tokens = self._check_lengths(model)
+        self.sampling = SamplingSettings.from_config(args, self.processing_class, self.eos_ids, self.max_new_tokens)
+        self.engine = engine if engine is not None else SharedPrefillEngine(self.processing_class, self.accelerator.device)
         self.ref_model = make_reference(model, args.beta)
         self.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
         self._entropy_window = torch.zeros(2, dtype=torch.float64)     # entropy sum, tokens: this optimizer step
@@ -592,7 +173,7 @@ def _configure_for_streaming(args) -> None:
 
 def _warn_length_weighted_sequences(args) -> None:
     "GSPO's sequence-level ratio is meant for `loss_type='grpo'`; the token-summing losses weight it by length."
-    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    if args.importance_sampling_level == "sequence" and LOSS_TABLE[args.loss_type].length_weighted:
         logger.warning("importance_sampling_level='sequence' with loss_type=%r: this loss sums over tokens, so it "
                        "weights each sequence by its completion length rather than optimizing one ratio per "
                        "sequence; use loss_type='grpo' for the GSPO paper's objective.", args.loss_type)
@@ -615,7 +196,7 @@ def _check_output_dir(output_dir) -> None:
 def _load_model(self: GRPOTrainer, model, processing_class, peft_config):
     "The policy and its tokenizer, with the config's loading options."
     args = self.args
-    init_kwargs = json.loads(args.model_init_kwargs) if isinstance(args.model_init_kwargs, str) else (args.model_init_kwargs or {})
+    init_kwargs = as_dict(args.model_init_kwargs)
     model, tokenizer = load_policy(model, tokenizer=processing_class, load_in_4bit=args.load_in_4bit,
                                    lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                    target_modules=args.target_modules, peft_config=peft_config,
@@ -649,11 +230,11 @@ def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) ->
     if len(tokenizers) != len(funcs):
         raise ValueError(f"The number of reward_processing_classes ({len(tokenizers)}) must match the number of "
                          f"reward_funcs ({len(funcs)}): one per reward function, None for a plain function.")
-    init_kwargs = _as_dict(self.args.model_init_kwargs)
+    init_kwargs = as_dict(self.args.model_init_kwargs)
     funcs = [as_reward_function(f, tok, device=self.accelerator.device, **init_kwargs) for f, tok in zip(funcs, tokenizers)]
     for f in funcs:
         if isinstance(f, RewardModel):
-            f.chat_template_kwargs = _as_dict(self.args.chat_template_kwargs)
+            f.chat_template_kwargs = as_dict(self.args.chat_template_kwargs)
     check_reward_arguments(funcs, _column_names(self.train_dataset))
     if self.args.reward_weights is not None and len(self.args.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(self.args.reward_weights)} values for {len(funcs)} reward functions; "
@@ -674,12 +255,8 @@ def _make_optimizer(self: GRPOTrainer, model, optimizers):
     if scheduler is None:
         total = self.plan.total_optimizer_steps
         scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer, num_warmup_steps=self.args.get_warmup_steps(total),
-                                  num_training_steps=total, scheduler_specific_kwargs=_as_dict(self.args.lr_scheduler_kwargs))
+                                  num_training_steps=total, scheduler_specific_kwargs=as_dict(self.args.lr_scheduler_kwargs))
     return optimizer, scheduler
-
-
-def _as_dict(value) -> dict:
-    return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
 def _column_names(dataset) -> list[str]:
@@ -693,7 +270,7 @@ def _check_lengths(self: GRPOTrainer, model) -> int:
     args, context = self.args, getattr(model.config, "max_position_embeddings", None)
     if not context:
         return args.max_completion_length
-    kwargs = _as_dict(args.chat_template_kwargs)
+    kwargs = as_dict(args.chat_template_kwargs)
     prompts = [r["prompt"] for r in islice(self.train_dataset, STREAM_CHECK_ROWS)] if self.streaming \
         else self.train_dataset["prompt"]
     lengths = prompt_token_lengths(prompts, self.processing_class, chat_template_kwargs=kwargs)
@@ -749,23 +326,10 @@ def _as_completion(text: str, prompt):
 
 
 @patch
-def _generate(self: GRPOTrainer, rows: list[dict]):
-    "Prompt texts, prompt tensors and sampled completions for `rows` (each prompt already repeated G times)."
-    args, tok, device = self.args, self.processing_class, self.accelerator.device
-    template_kwargs, texts = _as_dict(args.chat_template_kwargs), []
-    for i, r in enumerate(rows):                           # a group's G copies of a prompt are rendered once
-        same = i > 0 and r["prompt"] == rows[i - 1]["prompt"]
-        texts.append(texts[-1] if same else render_prompt(r["prompt"], tok, chat_template_kwargs=template_kwargs))
-    pad = args.pad_to_multiple_of if isinstance(args.pad_to_multiple_of, int) else None
-    p_ids, p_mask, n_cut = tokenize_prompts(tok, texts, args.max_prompt_length, pad)
-    if n_cut:
-        logger.warning("%d of %d prompts are longer than max_prompt_length=%d tokens and were cut from the left; "
-                       "raise max_prompt_length to keep them whole.", n_cut, len(texts), args.max_prompt_length)
-    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
-    gen_config = generation_config(args, tok, self.eos_ids, self.max_new_tokens)
-    c_ids, c_mask, truncated = sample_completions(self.accelerator.unwrap_model(self.model), tok, p_ids, p_mask,
-                                                  gen_config, self.eos_ids)
-    return texts, p_ids, p_mask, c_ids, c_mask, truncated
+def _completions(self: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Completions:
+    "The engine's completions of `rows` (each prompt repeated G times; `group` says which), by the current policy."
+    return self.engine.generate(rows, group, self.accelerator.unwrap_model(self.model), self.sampling,
+                                self.state.global_step)
 
 
 @patch
@@ -783,14 +347,13 @@ def _score(self: GRPOTrainer, rows: list[dict], completions: list, completion_id
 
 
 @patch
-def _generate_and_score(self: GRPOTrainer, rows: list[dict]) -> Rollout:
+def _generate_and_score(self: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Rollout:
     "Stages 1-4 for this process's `rows`: generate, mask, score, advantages."
     args, acc = self.args, self.accelerator
-    texts, p_ids, p_mask, c_ids, c_mask, truncated = self._generate(rows)
-    id_lists = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
-    decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
-    completions = [_as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
-    rewards = acc.gather(self._score(rows, completions, id_lists).to(acc.device)).float().cpu()
+    out = self._completions(rows, group)
+    texts, p_ids, p_mask, c_ids, c_mask, truncated = (out.prompt_texts, out.prompt_ids, out.prompt_mask,
+                                                      out.completion_ids, out.completion_mask, out.truncated)
+    decoded, completions, rewards = self._decode_and_score(rows, out)
     adv, stats = compute_advantages(rewards, args.num_generations, reward_weights=args.reward_weights,
                                     scale_rewards=args.scale_rewards, reward_names=self.reward_names,
                                     multi_objective_aggregation=args.multi_objective_aggregation)
@@ -800,15 +363,27 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict]) -> Rollout:
         c_mask = c_mask * (~truncated).unsqueeze(1).int()
     self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + c_mask.sum()).reshape(1)).sum().item())
     metrics = {"num_tokens": self.state.num_input_tokens_seen,
-               **_length_metrics(lengths.cpu(), all_truncated.cpu()), **self._reward_metrics(stats)}
+               **length_metrics(lengths.cpu(), all_truncated.cpu()), **self._reward_metrics(stats), **out.metrics}
     extra = self._reward_logs.extra
     samples = [{"prompt": texts[i], "completion": decoded[i], "reward": float(stats["rewards"][mine][i]),
                 "advantage": float(adv[mine][i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(texts))]
     self._keep_logs(rows, completions, rewards, adv, extra)
-    rollout = Rollout(p_ids, p_mask, c_ids, c_mask, adv[mine].to(acc.device),
-                      num_items_in_batch=acc.gather(c_mask.sum().reshape(1)).sum().item(), metrics=metrics, samples=samples)
+    rollout = Rollout(p_ids, p_mask, c_ids, c_mask, adv[mine].to(acc.device), metrics=metrics, samples=samples,
+                      group=group, tool_mask=out.tool_mask, sampling_logps=out.sampling_logps)
+    rollout.num_items_in_batch = acc.gather(rollout.loss_mask.sum().reshape(1)).sum().item()
     self._add_logps(rollout)
     return rollout
+
+
+@patch
+def _decode_and_score(self: GRPOTrainer, rows: list[dict], out: Completions) -> tuple[list[str], list, torch.Tensor]:
+    "The completions as text, as the reward functions receive them, and all processes' rewards `(N, F)`."
+    id_lists = [c[m.bool()].tolist() for c, m in zip(out.completion_ids, out.completion_mask)]
+    decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
+    completions = [_as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
+    scored = [{**r, **{k: v[i] for k, v in out.extra.items()}} for i, r in enumerate(rows)] if out.extra else rows
+    rewards = self.accelerator.gather(self._score(scored, completions, id_lists).to(self.accelerator.device))
+    return decoded, completions, rewards.float().cpu()
 
 
 @patch
@@ -868,22 +443,14 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     attention_mask = torch.cat([mb.prompt_mask, mb.completion_mask], 1)
     logps, entropies = completion_logps(self.model, input_ids, attention_mask, mb.completion_ids.size(1),
                                         temperature=args.temperature, compute_entropy=True)
-    gathered = _gather_flat(acc, entropies[mb.completion_mask.bool()].float()) if args.top_entropy_quantile < 1 else None
+    mask = mb.loss_mask
+    gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if self.entropy_control is not None:
-        self._add_to_entropy_window(entropies.detach(), mb.completion_mask, gathered)
-    loss, stats = grpo_loss(
-        logps, mb.old_logps, mb.advantages, mb.completion_mask, ref_per_token_logps=mb.ref_logps, beta=args.beta,
-        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-        loss_type=args.loss_type, max_completion_length=args.max_completion_length,
-        num_items_in_batch=mb.num_items_in_batch, importance_sampling_level=args.importance_sampling_level,
-        kl_bias_correction=args.use_bias_correction_kl, delta=args.delta,
-        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
-        vespo_lambda_neg=args.vespo_lambda_neg, entropies=entropies, top_entropy_quantile=args.top_entropy_quantile,
-        gathered_entropies=gathered, off_policy_mask_threshold=args.off_policy_mask_threshold,
-        sampling_per_token_logps=mb.old_logps, entropy_coef=self._entropy_coef(),
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        num_processes=acc.num_processes, steps_per_generation=self.plan.steps_per_generation)
+        self._add_to_entropy_window(entropies.detach(), mask, gathered)
+    loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **self.loss_settings.kwargs(),
+                            ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
+                            entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=mb.old_logps,
+                            entropy_coef=self._entropy_coef())
     return loss, self._gather_stats(stats)
 
 
@@ -1047,8 +614,8 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
     while True:
         for prompts, n_generations in self._epoch_chunks(pos.epoch, pos.generation):
             if rollout is None:
-                rows = expand_groups(prompts, args.num_generations)
-                rollout = self._generate_and_score(rows[process_rows(len(rows), acc.num_processes, acc.process_index)])
+                rollout = self._generate_and_score(*generation_rows(prompts, args.num_generations, acc.num_processes,
+                                                                    acc.process_index))
             batches = self._micro_batches(rollout, pos)      # a rollout's micro-batches, cut once per rollout
             # a stream's epoch length is unknown: progress counts against max_steps, as in the HF Trainer
             per_epoch = args.max_steps * ga if self.streaming else n_generations * mu * len(batches)
@@ -1080,6 +647,8 @@ def _advance(pos: Position, n_micro: int, num_iterations: int, n_generations: in
 def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = None, **kwargs) -> TrainOutput:
     "Run GRPO for `plan.total_optimizer_steps` optimizer steps (or until a callback stops it)."
     start, rollout = self._begin_training(resume_from_checkpoint)
+    if start is None:                       # resumed at the run's last step
+        return self._already_finished()
     losses, stats, window, step_losses = [], [], [], []
     with self._checkpoint_on_interrupt():
         for step in self.micro_steps(start, rollout):
@@ -1132,7 +701,7 @@ def _end_step(self: GRPOTrainer, step: MicroStep, window: list[dict]):
     "Count the step, record the resume point, then log, evaluate and save as the callbacks ask."
     self.state.global_step += 1
     self.state.epoch = step.epoch
-    self._resume_point = (step.after, step.rollout if step.after.iteration or step.after.micro else None, _rng_state())
+    self._resume_point = (step.after, step.rollout if step.after.iteration or step.after.micro else None, rng_state())
     self._sync_reference_model()
     self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
     if step.ends_epoch:
@@ -1176,16 +745,18 @@ def _sync_reference_model(self: GRPOTrainer):
 # %% ../nbs/06_trainer.ipynb
 @patch
 def _begin_training(self: GRPOTrainer, resume_from_checkpoint) -> tuple[Position, Rollout | None]:
-    "Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start."
+    "Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start (None: the run is finished)."
     args = self.args
-    path = self._resolve_resume(resume_from_checkpoint)
+    path = resolve_resume(resume_from_checkpoint, args.output_dir)
     start, rollout = self.load_checkpoint(path) if path is not None else (Position(), None)
     state = self.state
     state.max_steps, state.num_train_epochs = self.plan.total_optimizer_steps, int(args.num_train_epochs)
     state.logging_steps, state.save_steps = _absolute(args.logging_steps, state.max_steps), _absolute(args.save_steps, state.max_steps)
     state.eval_steps = _absolute(args.eval_steps or state.logging_steps, state.max_steps)
     state.train_batch_size = args.per_device_train_batch_size
-    self._resume_point = (start, rollout, _rng_state())
+    if path is not None and state.global_step >= state.max_steps:
+        return None, None
+    self._resume_point = (start, rollout, rng_state())
     self._start_time, self._first_step = time.time(), state.global_step
     self._restart_logs()
     self.model.train()
@@ -1194,6 +765,15 @@ def _begin_training(self: GRPOTrainer, resume_from_checkpoint) -> tuple[Position
     if args.eval_on_start and self.eval_dataset is not None:
         self.evaluate()
     return start, rollout
+
+
+@patch
+def _already_finished(self: GRPOTrainer) -> TrainOutput:
+    "A resumed run whose checkpoint already reached the last step: train nothing, log nothing, say so once."
+    logger.warning("%s is the end of this run (step %d of %d): nothing left to train; raise max_steps or "
+                   "num_train_epochs to train further.", self._last_checkpoint.name, self.state.global_step,
+                   self.plan.total_optimizer_steps)
+    return TrainOutput(self.state.global_step, 0.0, {})
 
 
 def _absolute(steps: float, max_steps: int) -> int:
@@ -1206,7 +786,7 @@ def _end_training(self: GRPOTrainer, window: list[dict], step_losses: list[float
     "Log the run's summary, load the best model if asked, save the final one (unless save_strategy='no'), tell the callbacks."
     summary = self._summary(window, step_losses)
     if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
-        self._load_weights(Path(self.state.best_model_checkpoint))
+        load_weights(self.accelerator.unwrap_model(self.model), Path(self.state.best_model_checkpoint))
     if self.args.save_strategy != "no":
         self.save_model()
     self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
@@ -1293,21 +873,21 @@ def _evaluate_set(self: GRPOTrainer, dataset) -> dict:
     prompts_per_batch = max(1, args.per_device_eval_batch_size * acc.num_processes // G)
     window, prompt_rows = [], iter(dataset)
     while prompts := list(islice(prompt_rows, prompts_per_batch)):      # a Dataset or a (finite) stream, in order
-        rows = expand_groups(prompts, G)
-        mine = rows[process_rows(len(rows), acc.num_processes, acc.process_index)]
-        texts, p_ids, p_mask, c_ids, c_mask, truncated = self._generate(mine)
-        id_lists = [c[m.bool()].tolist() for c, m in zip(c_ids, c_mask)]
-        decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
-        rewards = acc.gather(self._score(mine, [_as_completion(t, r["prompt"]) for t, r in zip(decoded, mine)],
-                                         id_lists).to(acc.device)).float().cpu()
+        rows, group = generation_rows(prompts, G, acc.num_processes, acc.process_index)
+        out = self._completions(rows, group)
+        rewards = self._decode_and_score(rows, out)[2]
         adv, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards,
                                         reward_names=self.reward_names,
                                         multi_objective_aggregation=args.multi_objective_aggregation)
-        kept = c_mask * (~truncated).unsqueeze(1).int() if args.mask_truncated_completions else c_mask
-        batch = Rollout(p_ids, p_mask, c_ids, kept, adv[process_rows(len(adv), acc.num_processes, acc.process_index)].to(acc.device),
-                        num_items_in_batch=acc.gather(kept.sum().reshape(1)).sum().item())
+        kept = out.completion_mask * (~out.truncated).unsqueeze(1).int() if args.mask_truncated_completions \
+            else out.completion_mask
+        batch = Rollout(out.prompt_ids, out.prompt_mask, out.completion_ids, kept,
+                        adv[process_rows(len(adv), acc.num_processes, acc.process_index)].to(acc.device),
+                        group=group, tool_mask=out.tool_mask)
+        batch.num_items_in_batch = acc.gather(batch.loss_mask.sum().reshape(1)).sum().item()
         window.append({"loss": self._eval_loss(batch), **self._reward_metrics(stats),
-                       **_length_metrics(acc.gather(c_mask.sum(1).float()).cpu(), acc.gather(truncated.to(acc.device)).cpu())})
+                       **length_metrics(acc.gather(out.completion_mask.sum(1).float()).cpu(),
+                                        acc.gather(out.truncated.to(acc.device)).cpu())})
     return _mean_metrics(window)
 
 
@@ -1341,200 +921,35 @@ def _update_best_metric(self: GRPOTrainer, metrics: dict):
         self._best_pending = True
 
 # %% ../nbs/06_trainer.ipynb
-def _rng_state() -> dict:
-    "The random state of every generator, as tensors and plain values (no pickled objects)."
-    py = random.getstate()
-    np_state = np.random.get_state()
-    return {"python": [py[0], list(py[1]), py[2]],
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def _set_rng_state(state: dict):
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync_tree(path: Path):
-    "Flush every file under `path` (and the folder itself) to disk."
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-# %% ../nbs/06_trainer.ipynb
 @patch
 def save_checkpoint(self: GRPOTrainer) -> Path:
     "Save everything needed to resume at this step to `output_dir/checkpoint-<step>/`, atomically."
-    acc, out = self.accelerator, Path(self.args.output_dir)
-    final, tmp = out / f"checkpoint-{self.state.global_step}", out / f"tmp-checkpoint-{self.state.global_step}"
+    acc, state = self.accelerator, self.state
     position, rollout, rng = self._resume_point
-    acc.wait_for_everyone()
-    try:
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            self._save_main_files(tmp)
-        acc.wait_for_everyone()
-        torch.save({"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
-                    "rng": rng}, tmp / f"process_{acc.process_index}.pt")
-        _fsync_tree(tmp)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            self._rotate_checkpoints()
-    except OSError as e:
-        kept = _latest_checkpoint(out)
-        raise OSError(e.errno, f"saving {final.name} failed ({e.strerror}{': the disk is full' if e.errno == 28 else ''}); "
-                      f"the newest complete checkpoint is {kept.name if kept else 'none'}.") from e
-    acc.wait_for_everyone()
+    control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
+    info = {"num_processes": acc.num_processes, "batch": batch_options(self.args), "entropy_control": control}
+    main_files = lambda path: save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer,
+                                              self.lr_scheduler, state, info)
+    process_state = {"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
+                     "rng": rng}
+    final = ckpt.save_checkpoint(self.args.output_dir, state.global_step, acc, main_files, process_state,
+                            self.args.save_total_limit, state.best_model_checkpoint)
     self._last_checkpoint = final
     if getattr(self, "_best_pending", False):
-        self.state.best_model_checkpoint, self._best_pending = str(final), False
+        state.best_model_checkpoint, self._best_pending = str(final), False
     return final
 
-
-@patch
-def _save_main_files(self: GRPOTrainer, path: Path):
-    "Weights (safetensors), tokenizer, optimizer, scheduler and the trainer state (JSON)."
-    self.accelerator.unwrap_model(self.model).save_pretrained(path)
-    self.processing_class.save_pretrained(path)
-    torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-    torch.save(self.lr_scheduler.state_dict(), path / "scheduler.pt")
-    self.state.save_to_json(str(path / "trainer_state.json"))
-    control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
-    (path / "grpo_lab_state.json").write_text(json.dumps(
-        {"num_processes": self.accelerator.num_processes, "batch": _batch_options(self.args),
-         "entropy_control": control}, indent=1))
-
-
-def _batch_options(args) -> dict:
-    "The options that decide the data stream; a resumed run must use the same."
-    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "steps_per_generation",
-             "num_iterations", "seed", "shuffle_dataset")
-    return {n: getattr(args, n) for n in names}
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    "The step of a `checkpoint-<step>` folder, or None for any other name (e.g. checkpoint-best)."
-    suffix = path.name.removeprefix("checkpoint-")
-    return int(suffix) if path.name.startswith("checkpoint-") and suffix.isdigit() else None
-
-
-@patch
-def _rotate_checkpoints(self: GRPOTrainer):
-    "Keep the newest `save_total_limit` checkpoints (and the best one, if tracked); run after a save completes."
-    limit = self.args.save_total_limit
-    if not limit:
-        return
-    ckpts = sorted((p for p in Path(self.args.output_dir).glob("checkpoint-*") if _checkpoint_step(p) is not None),
-                   key=_checkpoint_step)
-    for old in ckpts[:-limit]:
-        if str(old) != self.state.best_model_checkpoint:
-            shutil.rmtree(old)
-
 # %% ../nbs/06_trainer.ipynb
-_CHECKPOINT_FILES = ("trainer_state.json", "grpo_lab_state.json", "optimizer.pt", "scheduler.pt", "process_0.pt")
-
-
-def _missing_files(path: Path) -> list[str]:
-    "The files a complete checkpoint has that `path` lacks."
-    weights = list(path.glob("*.safetensors"))
-    return [f for f in _CHECKPOINT_FILES if not (path / f).is_file()] + ([] if weights else ["*.safetensors"])
-
-
-def _latest_checkpoint(output_dir) -> Path | None:
-    "The newest complete checkpoint under `output_dir`; incomplete ones are named in a warning."
-    ckpts = sorted((p for p in Path(output_dir).glob("checkpoint-*") if _checkpoint_step(p) is not None),
-                   key=_checkpoint_step, reverse=True)
-    for p in ckpts:
-        missing = _missing_files(p)
-        if not missing:
-            return p
-        logger.warning("skipping %s: incomplete checkpoint (missing %s)", p.name, ", ".join(missing))
-    return None
-
-
-@patch
-def _resolve_resume(self: GRPOTrainer, resume_from_checkpoint) -> Path | None:
-    if resume_from_checkpoint in (None, False):
-        return None
-    if resume_from_checkpoint is True:
-        path = _latest_checkpoint(self.args.output_dir)
-        if path is None:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
-                                    "checkpoint-* folder; train without it, or pass a checkpoint's path.")
-        return path
-    path = Path(resume_from_checkpoint)
-    missing = _missing_files(path) if path.is_dir() else ["the folder itself"]
-    if missing:
-        raise FileNotFoundError(f"{path} is not a complete grpo-lab checkpoint (missing {', '.join(missing)}); pass a "
-                                f"folder like {Path(self.args.output_dir) / 'checkpoint-100'}, or True for the newest complete one.")
-    return path
-
-# %% ../nbs/06_trainer.ipynb
-def _load(path: Path, what: str):
-    "torch.load with weights_only=True; a damaged file gets an error naming it."
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:
-        raise ValueError(f"{path} ({what}) cannot be read safely: {short_repr(str(e), 200)}. The file is damaged or "
-                         "holds pickled objects, which grpo-lab never loads; resume from another checkpoint.") from None
-
-
-@patch
-def _load_weights(self: GRPOTrainer, path: Path):
-    "Load the policy's trainable weights (the adapter, or the whole model) from a checkpoint folder."
-    from safetensors.torch import load_file
-    model = self.accelerator.unwrap_model(self.model)
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        try:
-            state.update(load_file(f))
-        except Exception as e:
-            raise ValueError(f"{f} cannot be read: {short_repr(str(e), 200)}; resume from another checkpoint.") from None
-    check_checkpoint_matches(model, state, source=path.name)
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-        set_peft_model_state_dict(model, state)
-        return
-    model.load_state_dict(state, strict=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-
-
 @patch
 def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
     "Restore weights, optimizer, scheduler, state and random state from `path`; return where the stream stands."
-    path = Path(path)
-    info = json.loads((path / "grpo_lab_state.json").read_text())
-    if info["num_processes"] != self.accelerator.num_processes:
-        raise ValueError(f"{path} was written by {info['num_processes']} processes and this run has "
-                         f"{self.accelerator.num_processes}; resume with the same number of processes.")
-    changed = {k: (v, getattr(self.args, k)) for k, v in info["batch"].items() if getattr(self.args, k) != v}
-    if changed:
-        raise ValueError(f"{path} was written with other batch options ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}); "
-                         "resuming would not continue the same run: use the checkpoint's values, or start a new run.")
-    self._load_weights(path)
-    self.optimizer.load_state_dict(_load(path / "optimizer.pt", "optimizer state"))
-    self.lr_scheduler.load_state_dict(_load(path / "scheduler.pt", "scheduler state"))
-    self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+    path, acc = Path(path), self.accelerator
+    self.state, info, saved = ckpt.load_checkpoint(path, acc.unwrap_model(self.model), self.optimizer, self.lr_scheduler,
+                                              acc.num_processes, acc.process_index, batch_options(self.args))
     if self.entropy_control is not None and info.get("entropy_control"):
         saved_control = info["entropy_control"]
         self.entropy_control.coef, self.entropy_control.last_entropy = saved_control["coef"], saved_control["last_entropy"]
-    saved = _load(path / f"process_{self.accelerator.process_index}.pt", "data position and random state")
-    _set_rng_state(saved["rng"])
+    set_rng_state(saved["rng"])
     self._last_checkpoint = path
     rollout = Rollout(**saved["rollout"]) if saved["rollout"] else None
     return Position(**saved["position"]), rollout

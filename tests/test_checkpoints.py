@@ -84,7 +84,7 @@ def test_resume_skips_incomplete_checkpoints_and_names_them(tmp_path, caplog):
     (tmp_path / "checkpoint-3" / "optimizer.pt").unlink()           # as if the run died while writing it
     (tmp_path / "tmp-checkpoint-4").mkdir()
     trainer = small_run(tmp_path, max_steps=4)
-    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.checkpoint"):
         trainer.train(resume_from_checkpoint=True)
     assert any("skipping checkpoint-3" in r.message and "optimizer.pt" in r.message for r in caplog.records)
     assert trainer.state.global_step == 4
@@ -188,3 +188,20 @@ def test_another_models_checkpoint_gets_one_sentence(tmp_path):
     with pytest.raises(ValueError, match="checkpoint-1 was written by another model") as e:
         other.train(resume_from_checkpoint=tmp_path / "checkpoint-1")
     assert len(str(e.value)) < 600
+
+
+def test_resuming_a_finished_run_trains_nothing_logs_nothing_and_says_so(tmp_path, caplog):
+    "A notebook re-run after the run finished: the HF Trainer and TRL train 0 steps; so does grpo-lab (it trained a 5th)."
+    first = small_run(tmp_path, max_steps=4)
+    first.train()
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    weights_before = (tmp_path / "model.safetensors").read_bytes()
+    again = small_run(tmp_path, max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+        out = again.train(resume_from_checkpoint=True)
+    assert out.global_step == again.state.global_step == 4
+    assert not (tmp_path / "checkpoint-5").exists() and sorted(p.name for p in tmp_path.glob("checkpoint-*"))[-1] == "checkpoint-4"
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics                      # nothing new logged, nothing lost
+    assert (tmp_path / "model.safetensors").read_bytes() == weights_before
+    said = [r.message for r in caplog.records if "nothing left to train" in r.message]
+    assert len(said) == 1 and "checkpoint-4" in said[0] and "step 4 of 4" in said[0]

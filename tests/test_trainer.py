@@ -12,6 +12,7 @@ from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.data import arithmetic_task
 from grpo_lab.models import tiny_model_path
 from grpo_lab.rewards import RewardFunctionError, exact_answer
+from grpo_lab.rollout import generation_rows
 from grpo_lab.trainer import NonFiniteLossError, TrainingInterrupted
 
 TINY = str(tiny_model_path())
@@ -296,7 +297,7 @@ def test_output_dir_that_is_a_file_fails_at_construction(tmp_path):
 def test_long_prompts_are_cut_from_the_left_with_one_warning_per_batch(tmp_path, caplog):
     rows = [{"prompt": "0" * 40 + p, "answer": a} for p, a in zip(*arithmetic_task(16)[:].values())]
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_prompt_length=8, max_steps=1), train_dataset=rows)
-    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.rollout"):
         trainer.train()
     assert any("max_prompt_length=8" in r.message for r in caplog.records)
 
@@ -419,12 +420,12 @@ def _random_qwen(vocab: int, seed: int = 0):
 
 
 def _grouped_prompts(tok, G=4):
-    from grpo_lab.trainer import tokenize_prompts
+    from grpo_lab.rollout import tokenize_prompts
     return tokenize_prompts(tok, [p for p in ["12+7=", "3+45=", "100+200=", "9="] for _ in range(G)])[:2]
 
 
 def _sample(model, tok, ids, mask, config, share, seed=0):
-    from grpo_lab.trainer import sample_completions
+    from grpo_lab.rollout import sample_completions
     torch.manual_seed(seed)
     return sample_completions(model, tok, ids, mask, config, [], share_prefill=share)[0]
 
@@ -449,7 +450,7 @@ def test_shared_prefill_samples_what_plain_generate_samples(settings):
 def test_shared_prefill_logits_match_plain_generate():
     "Step by step, the logits of generate from the shared cache equal plain generate's within float tolerance."
     from transformers import AutoTokenizer, GenerationConfig
-    from grpo_lab.trainer import prefill_once_per_prompt
+    from grpo_lab.rollout import prefill_once_per_prompt
     tok = AutoTokenizer.from_pretrained(TINY)
     ids, mask = _grouped_prompts(tok)
     model = _random_qwen(len(tok))
@@ -482,11 +483,11 @@ def test_shared_prefill_reads_each_prompt_once():
 def test_shared_prefill_falls_back_to_plain_generate():
     "No repeated row, a static cache or beam search: plain generate (no shared cache is built)."
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from grpo_lab.trainer import _can_share_prefill, prefill_once_per_prompt, prompt_groups, tokenize_prompts
+    from grpo_lab.rollout import _can_share_prefill, prefill_once_per_prompt, prompt_groups, tokenize_prompts
     tok = AutoTokenizer.from_pretrained(TINY)
     model = AutoModelForCausalLM.from_pretrained(TINY)
     ids, mask, _ = tokenize_prompts(tok, ["1+1=", "2+2=", "1+1="])
-    assert prompt_groups(ids, mask)[1].tolist() == [0, 1, 2]            # only consecutive copies form a group
+    assert prompt_groups(ids, mask).tolist() == [0, 1, 2]            # only consecutive copies form a group
     assert prefill_once_per_prompt(model, ids, mask) is None
     base = dict(do_sample=True, max_new_tokens=3, pad_token_id=tok.pad_token_id)
     assert _can_share_prefill(model, GenerationConfig(**base), ids)
@@ -496,54 +497,55 @@ def test_shared_prefill_falls_back_to_plain_generate():
 
 
 def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypatch):
-    "The trainer's _generate (LoRA model, G=4) draws the same completions whether the prefill is shared or not."
-    import grpo_lab.trainer as trainer_module
+    "The trainer's engine (LoRA model, G=4) draws the same completions whether the prefill is shared or not."
+    import grpo_lab.rollout as rollout_module
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, lora_r=4, lora_alpha=8, seed=3,
                                                               max_completion_length=8),
                           train_dataset=arithmetic_task(8, seed=1))
-    rows = trainer.train_dataset.select([i for i in (0, 1) for _ in range(4)]).to_list()
-    monkeypatch.setitem(trainer_module.SHARED_PREFILL_MIN_FLOPS, "cpu", 0)   # the tiny model is below the default
+    rows, group = generation_rows(trainer.train_dataset.select([0, 1]).to_list(), 4)
+    monkeypatch.setitem(rollout_module.SHARED_PREFILL_MIN_FLOPS, "cpu", 0)   # the tiny model is below the default
     calls = []
-    real = trainer_module.prefill_once_per_prompt
-    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: calls.append(1) or real(*a))
+    real = rollout_module.prefill_once_per_prompt
+    monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
-    shared = trainer._generate(rows)[3]
-    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: None)
+    shared = trainer._completions(rows, group).completion_ids
+    monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: None)
     torch.manual_seed(0)
-    plain = trainer._generate(rows)[3]
+    plain = trainer._completions(rows, group).completion_ids
     assert calls and torch.equal(shared, plain)
 
 
 def test_shared_prefill_by_default_only_where_it_saves_enough(monkeypatch):
     "share_prefill=None: plain generate for the tiny model's small prompts, shared once the saving passes the bar."
-    import grpo_lab.trainer as trainer_module
+    import grpo_lab.rollout as rollout_module
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     tok = AutoTokenizer.from_pretrained(TINY)
     ids, mask = _grouped_prompts(tok)
     model = AutoModelForCausalLM.from_pretrained(TINY)
-    saving = trainer_module.prefill_saving(model, ids, mask)
+    saving = rollout_module.prefill_saving(model, ids, mask)
     assert saving == 2 * model.num_parameters(exclude_embeddings=True) * 12 * (ids.size(1) - 1)   # 12 rows not re-read
     config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=tok.pad_token_id, eos_token_id=[])
     calls = []
-    monkeypatch.setattr(trainer_module, "prefill_once_per_prompt", lambda *a: calls.append(1))
-    trainer_module.sample_completions(model, tok, ids, mask, config, [])
-    assert calls == [] and saving < trainer_module.SHARED_PREFILL_MIN_FLOPS["cpu"]
-    monkeypatch.setitem(trainer_module.SHARED_PREFILL_MIN_FLOPS, "cpu", saving)
-    trainer_module.sample_completions(model, tok, ids, mask, config, [])
+    monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: calls.append(1))
+    rollout_module.sample_completions(model, tok, ids, mask, config, [])
+    assert calls == [] and saving < rollout_module.SHARED_PREFILL_MIN_FLOPS["cpu"]
+    monkeypatch.setitem(rollout_module.SHARED_PREFILL_MIN_FLOPS, "cpu", saving)
+    rollout_module.sample_completions(model, tok, ids, mask, config, [])
     assert calls == [1]
 
 
 def test_generate_renders_and_tokenizes_each_prompt_once(tmp_path, monkeypatch):
     "A group's G copies of a prompt are rendered and tokenized once; the texts and tensors are those of every row."
-    import grpo_lab.trainer as trainer_module
+    import grpo_lab.rollout as rollout_module
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=arithmetic_task(8, seed=1))
-    rows = trainer.train_dataset.select([i for i in (0, 1) for _ in range(4)]).to_list()
-    rendered, real_render = [], trainer_module.render_prompt
-    monkeypatch.setattr(trainer_module, "render_prompt", lambda p, *a, **k: rendered.append(p) or real_render(p, *a, **k))
+    rows, group = generation_rows(trainer.train_dataset.select([0, 1]).to_list(), 4)
+    rendered, real_render = [], rollout_module.render_prompt
+    monkeypatch.setattr(rollout_module, "render_prompt", lambda p, *a, **k: rendered.append(p) or real_render(p, *a, **k))
     tokenized, tok = [], trainer.processing_class
     real_call = type(tok).__call__
     monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: tokenized.append(text) or real_call(self, text, *a, **k))
-    texts, p_ids, p_mask = trainer._generate(rows)[:3]
+    out = trainer._completions(rows, group)
+    texts, p_ids, p_mask = out.prompt_texts, out.prompt_ids, out.prompt_mask
     assert len(rendered) == 2 and len(tokenized) == 2
     assert texts == [real_render(r["prompt"], tok) for r in rows] and p_ids.size(0) == 8
     assert torch.equal(p_ids[:4], p_ids[0].expand(4, -1)) and not torch.equal(p_ids[0], p_ids[4])
@@ -661,7 +663,7 @@ def test_continuous_batching_is_refused_with_the_measured_reason(name, tmp_path)
 
 def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path):
     "Each generation batch's rows are the shuffled chunks of the dataset, as plain Python, even with a numpy format."
-    from grpo_lab.trainer import generation_chunks
+    from grpo_lab.rollout import generation_chunks
     data = arithmetic_task(16, seed=3)
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=data.with_format("numpy"))
     batches = [rows for rows, _ in trainer._epoch_chunks(epoch=1, start=0)]

@@ -24,5 +24,5 @@ def test_every_trl_field_with_trls_default():
 
 
 def test_refused_options_are_trl_fields():
-    from grpo_lab.trainer import REFUSED_OPTIONS
+    from grpo_lab.config import REFUSED_OPTIONS
     assert set(REFUSED_OPTIONS) <= set(defaults(trl.GRPOConfig))
