@@ -321,19 +321,9 @@ def _prepare_tokenizer(tokenizer, model) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
 
 # %% ../nbs/05_models.ipynb
-class _DropKernelNotice(logging.Filter):
-    def filter(self, record) -> bool:
-        return "gemm_4bit_forward" not in record.getMessage()
-
-
 def _peft():
-    "The peft module, imported without bitsandbytes' notice about an optional CPU kernel."
-    notice_filter, logger = _DropKernelNotice(), logging.getLogger("bitsandbytes.backends.cpu.ops")
-    logger.addFilter(notice_filter)
-    try:
-        import peft
-    finally:
-        logger.removeFilter(notice_filter)
+    "The peft module, imported on first use (LoRA asked for, or a saved adapter loaded)."
+    import peft
     return peft
 
 
