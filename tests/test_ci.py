@@ -49,7 +49,8 @@ def test_ci_installed_the_tested_set():
 
 
 @pytest.mark.parametrize("args, message", [(["--fast"], "unknown option '--fast'"),
-                                           (["--update-constraints"], "--update-constraints needs --latest")])
+                                           (["--update-constraints"], "--update-constraints needs --latest"),
+                                           (["--latest", "--update-constraints", "--", "-x"], "runs the whole suite")])
 def test_ci_refuses_what_it_cannot_do(args, message):
     "Checked before anything is installed or removed."
     r = subprocess.run(["bash", str(ROOT / ".ci" / "run"), *args], capture_output=True, text=True, timeout=60)
