@@ -61,7 +61,7 @@ def _subcommands():
     return sorted(actions[0].choices)
 
 
-@pytest.mark.parametrize("command", [[]] + [[name] for name in _subcommands()])
+@pytest.mark.parametrize("command", [[]] + [[name] for name in _subcommands()], ids=lambda c: " ".join(["grpo-lab", *c]))
 def test_every_command_starts_quietly(command):
     "`grpo-lab [command] --help`: the console script's start, which each command shares."
     assert "usage: grpo-lab" in run_quietly([bin_path("grpo-lab"), *command, "--help"])
