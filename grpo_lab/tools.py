@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -17,19 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 from jinja2 import TemplateError
-from transformers import GenerationConfig
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 from fastcore.basics import patch
 
 from .data import is_conversational
-from .rollout import Completions, RolloutEngine, SamplingSettings, pad_right, tokenize_prompts
+from .rollout import Completions, RolloutEngine, SamplingSettings, generation_config, tokenize_prompts
 
 # %% auto 0
 __all__ = ['CHATML_TOOLS_TEMPLATE', 'WORKED_EXAMPLE', 'ROLLOUT_FUNC_KEYS', 'ToolError', 'tool_schema', 'tool_schemas', 'multiply',
            'supports_tools', 'tool_chat_template', 'ToolCall', 'parse_tool_calls', 'run_tool', 'answer_call',
-           'environment_methods', 'EnvironmentPool', 'reset_prompt', 'sampling_config', 'continue_sequences',
+           'environment_methods', 'EnvironmentPool', 'reset_prompt', 'pad_right', 'continue_sequences',
            'tool_suffix_ids', 'ToolLoopEngine', 'multiplication_problems', 'final_answer', 'last_number',
            'product_reward', 'tool_use_stats', 'check_rollout_output', 'RolloutFuncEngine']
 
@@ -327,14 +327,10 @@ def reset_prompt(environment, row: dict, multiple: bool):
     return list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 # %% ../nbs/06e_tools.ipynb
-def sampling_config(settings: SamplingSettings, max_new_tokens: int) -> GenerationConfig:
-    "The sampling settings of one round of a multi-turn rollout, explicit so that model defaults cannot leak in."
-    return GenerationConfig(**{
-        **dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-               min_p=settings.min_p, repetition_penalty=settings.repetition_penalty, max_new_tokens=max_new_tokens,
-               eos_token_id=settings.eos_token_ids, pad_token_id=settings.pad_token_id, use_cache=True,
-               cache_implementation=settings.cache_implementation),
-        **settings.generation_kwargs})
+def pad_right(rows: list[list[int]], value: int) -> torch.Tensor:
+    "`(B, T)` long tensor of the rows, right-padded with `value` to the longest."
+    width = max([len(r) for r in rows] + [1])
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 @torch.no_grad()
@@ -347,7 +343,8 @@ def continue_sequences(policy, sequences: list[list[int]], settings: SamplingSet
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
     was_training = policy.training
     policy.eval()
-    out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=sampling_config(settings, max_new_tokens))
+    config = generation_config(dataclasses.replace(settings, max_new_tokens=max_new_tokens))
+    out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     policy.train(was_training)
     eos, new = set(settings.eos_token_ids), []
     for row in out[:, width:].tolist():
