@@ -466,12 +466,14 @@ def generate(self: ToolLoopEngine, rows: list[dict], group: torch.Tensor, policy
         active = [i for i, ids, budget in zip(active, new, budgets)
                   if self.answer_turn(rollouts[i], ids[:budget], settings, may_call)]
         rounds += 1
-    return self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings)
+    return self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings,
+                            next(policy.parameters()).device)
 
 # %% ../nbs/06e_tools.ipynb
 @patch
 def completions(self: ToolLoopEngine, rollouts: list[_Rollout], texts: list[str], prompt_ids: torch.Tensor,
-                 prompt_mask: torch.Tensor, group: torch.Tensor, environments: list, settings: SamplingSettings) -> Completions:
+                 prompt_mask: torch.Tensor, group: torch.Tensor, environments: list, settings: SamplingSettings,
+                 device=None) -> Completions:
     "The rollouts as the engine interface's `Completions`, with TRL's tool metrics."
     ids = [r.completion_ids for r in rollouts]
     lengths = torch.tensor([len(x) for x in ids])
@@ -480,14 +482,18 @@ def completions(self: ToolLoopEngine, rollouts: list[_Rollout], texts: list[str]
     tool_mask = pad_right([r.tool_mask for r in rollouts], 1)        # padding: 1, as TRL (completion_mask hides it)
     eos = set(settings.eos_token_ids)
     truncated = torch.tensor([not x or x[-1] not in eos for x in ids])
-    calls, failures = sum(r.calls for r in rollouts), sum(r.failures for r in rollouts)
-    metrics = {"tools/call_frequency": calls / len(rollouts),
-               "tools/failure_frequency": failures / calls if calls else 0.0}
+    counts = torch.tensor([sum(r.calls for r in rollouts), sum(r.failures for r in rollouts), len(rollouts)],
+                          dtype=torch.float64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)        # TRL's frequencies are over every process's rollouts
+    calls, failures, total = counts.tolist()
+    metrics = {"tools/call_frequency": calls / total, "tools/failure_frequency": failures / calls if calls else 0.0}
     extra = {"completion_messages": [r.messages for r in rollouts]}
     if self.environments is not None:
         extra["environments"] = environments
-    return Completions(texts, prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group,
-                       tool_mask=tool_mask, extra=extra, metrics=metrics)
+    on = lambda t: t.to(device or "cpu")
+    return Completions(texts, on(prompt_ids), on(prompt_mask), on(completion_ids), on(completion_mask), on(truncated),
+                       group, tool_mask=on(tool_mask), extra=extra, metrics=metrics)
 
 # %% ../nbs/06e_tools.ipynb
 WORKED_EXAMPLE = [
