@@ -82,6 +82,7 @@ class GRPOTrainer:
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, engine: RolloutEngine | None = None):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
+        environment_data = train_dataset is None
         if train_dataset is None:
             train_dataset = environment_placeholder_dataset(args, environment_factory)
         no_rewards = reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs)
@@ -90,7 +91,8 @@ class GRPOTrainer:
                              "folder or hub id), or a list of them; or an `environment_factory` whose environment "
                              "defines a `get_reward` method.")
         _check_output_dir(args.output_dir)
-        self.train_dataset = load_prompts(train_dataset)
+        # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
+        self.train_dataset = train_dataset if environment_data else load_prompts(train_dataset)
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         _eval_sets(eval_dataset)
         self.streaming = isinstance(self.train_dataset, IterableDataset)

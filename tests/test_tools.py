@@ -301,3 +301,146 @@ def test_real_smollm2_rollouts_keep_the_invariants(smollm2, tokenizer):
     assert policy.training                                  # generate ran in eval mode, the mode is restored
     assert set(tool_use_stats(out.extra["completion_messages"], [r["answer"] for r in rows])) == \
         {"call_rate", "well_formed", "accuracy", "accuracy_with_tool", "accuracy_without_tool"}
+
+
+# --- the trainer: GRPOTrainer(tools=..., environment_factory=..., rollout_func=...) ---------------------------------
+
+def trainer_args(tmp_path, **options):
+    from grpo_lab import GRPOConfig
+    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=3, num_generations=3,
+                max_completion_length=64, max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+                report_to="none", seed=0)
+    return GRPOConfig(**{**base, **options})
+
+
+def script(trainer, tokenizer, turns):
+    "Make the trainer's policy write `turns` (TRL's tool tests patch `generate` the same way)."
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    policy.generate = ScriptedPolicy(tokenizer, turns).generate
+    return policy
+
+
+def test_trainer_with_tools_logs_trl_metrics_and_masks_tool_tokens(smollm2, tokenizer, tmp_path):
+    from datasets import Dataset
+    from grpo_lab import GRPOTrainer
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "ROW-A"}], "answer": 12}])
+    trainer = GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path), train_dataset=data, tools=[multiply])
+    assert isinstance(trainer.engine, ToolLoopEngine)
+    policy = script(trainer, tokenizer, {"ROW-A": [call("multiply", a=3, b=4), call("multiply", a=3, c=4),
+                                                   "I don't know any tool", "12", "no"]})
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    seen = []
+    trainer._add_logps = lambda rollout, _orig=trainer._add_logps: (seen.append(rollout), _orig(rollout))[1]
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert log["tools/call_frequency"] == pytest.approx(2 / 3) and log["tools/failure_frequency"] == pytest.approx(0.5)
+    assert log["rewards/product_reward/mean"] == pytest.approx(1 / 3)      # the rollout that used the tool is right
+    [rollout] = seen
+    assert rollout.tool_mask is not None and (rollout.loss_mask < rollout.completion_mask).any()
+    assert rollout.num_items_in_batch == rollout.loss_mask.sum().item()
+    assert log["completions/max_length"] == rollout.loss_mask.sum(1).max().item()   # the model's own tokens (TRL)
+    assert any(not torch.equal(before[n], p) for n, p in policy.named_parameters())
+
+
+class Guess:
+    "An environment that owns the data and the reward: reset() asks, `answer` records, get_reward() scores."
+
+    def reset(self, **row) -> str:
+        self.answered = None
+        return "Say 7 with the answer tool."
+
+    def answer(self, value: int) -> str:
+        """Give the answer.
+
+        Args:
+            value: The answer.
+        """
+        self.answered = value
+        return "noted"
+
+    def get_reward(self) -> float:
+        return float(self.answered == 7)
+
+
+def test_trainer_environment_owns_data_and_reward(smollm2, tokenizer, tmp_path):
+    from grpo_lab import GRPOTrainer
+    trainer = GRPOTrainer(smollm2, args=trainer_args(tmp_path), environment_factory=Guess)
+    assert trainer.reward_names == ["Guess"] and len(trainer.train_dataset) == 1
+    script(trainer, tokenizer, {"Say 7": [call("answer", value=7), call("answer", value=3), "no", "ok", "ok"]})
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert log["rewards/Guess/mean"] == pytest.approx(1 / 3) and log["tools/call_frequency"] == pytest.approx(2 / 3)
+
+
+def test_trainer_environment_errors_are_trls(smollm2, tmp_path):
+    from datasets import Dataset
+    from grpo_lab import GRPOTrainer
+    with pytest.raises(ValueError, match="`max_steps` must be set to a positive value"):
+        GRPOTrainer(smollm2, args=trainer_args(tmp_path, max_steps=-1), environment_factory=Guess)
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
+        GRPOTrainer(smollm2, args=trainer_args(tmp_path), environment_factory={"guess": Guess})
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory`"):
+        GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path))
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}], "answer": 1}])
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(smollm2, args=trainer_args(tmp_path), train_dataset=data, tools=[multiply])
+    with pytest.raises(ValueError, match="rollout_func owns generation"):
+        GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path), train_dataset=data, tools=[multiply],
+                    rollout_func=lambda prompts, trainer: {})
+
+
+def test_trainer_with_rollout_func_passes_extra_keys_to_rewards(smollm2, tokenizer, tmp_path):
+    from datasets import Dataset
+    from grpo_lab import GRPOTrainer
+    calls, seen = [], []
+
+    def rollout(prompts, trainer):
+        calls.append(len(prompts))
+        ids = tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=True, return_dict=False)
+        completions = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in ("yes", "no", "maybe so")]
+        return {"prompt_ids": [ids] * len(prompts), "completion_ids": completions, "logprobs": None,
+                "env_mask": [[1] * (len(c) - 1) + [0] for c in completions], "grade": [1.0, 0.0, 0.5]}
+
+    def by_grade(completions, grade, **kwargs):
+        seen.append((list(completions), list(grade)))
+        return grade
+
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "Well?"}]}])
+    trainer = GRPOTrainer(smollm2, by_grade, args=trainer_args(tmp_path), train_dataset=data, rollout_func=rollout)
+    trainer.train()
+    assert calls == [3] and seen[0][1] == [1.0, 0.0, 0.5]
+    assert [c[0]["content"] for c in seen[0][0]] == ["yes", "no", "maybe so"]
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(0.5)
+
+
+def test_trainer_signature_is_trls():
+    "TRL 1.16's GRPOTrainer arguments, in TRL's order (grpo-lab adds `engine` at the end)."
+    import inspect
+    trl = pytest.importorskip("trl")
+    from grpo_lab import GRPOTrainer
+    ours, theirs = list(inspect.signature(GRPOTrainer.__init__).parameters), list(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+    assert ours == theirs + ["engine"]
+
+
+def test_quantization_config_given_twice_is_refused(smollm2, tmp_path):
+    from datasets import Dataset
+    from transformers import BitsAndBytesConfig
+    from grpo_lab import GRPOTrainer
+    data = Dataset.from_list([{"prompt": "x", "answer": 1}])
+    args = trainer_args(tmp_path, model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    with pytest.raises(ValueError, match="quantization_config is given both"):
+        GRPOTrainer(smollm2, product_reward, args=args, train_dataset=data,
+                    quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_quantization_config_loads_a_4bit_base(smollm2, tmp_path):
+    "TRL's quantization_config: the model given by name is loaded quantized (bitsandbytes quantizes on CPU too)."
+    pytest.importorskip("bitsandbytes")
+    from datasets import Dataset
+    from transformers import BitsAndBytesConfig
+    from grpo_lab import GRPOTrainer
+    data = Dataset.from_list([{"prompt": "x", "answer": 1}])
+    trainer = GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path, lora_r=4, target_modules=["q_proj"]),
+                          train_dataset=data, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    kinds = {type(m).__name__ for m in trainer.accelerator.unwrap_model(trainer.model).modules()}
+    assert "Linear4bit" in kinds
