@@ -444,3 +444,39 @@ def test_quantization_config_loads_a_4bit_base(smollm2, tmp_path):
                           train_dataset=data, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
     kinds = {type(m).__name__ for m in trainer.accelerator.unwrap_model(trainer.model).modules()}
     assert "Linear4bit" in kinds
+
+
+TWO_PROCESS_SCRIPT = '''
+import json, sys
+sys.path.insert(0, {tests!r})
+from accelerate import PartialState
+from datasets import Dataset
+from transformers import AutoTokenizer
+from grpo_lab import GRPOConfig, GRPOTrainer
+from grpo_lab.tools import multiply, product_reward
+from test_tools import ScriptedPolicy, call
+out, model = sys.argv[1], {model!r}
+tokenizer = AutoTokenizer.from_pretrained(model)
+args = GRPOConfig(output_dir=out + "/run", per_device_train_batch_size=3, num_generations=3, max_completion_length=64,
+                  max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                  disable_tqdm=True, shuffle_dataset=False)
+data = Dataset.from_list([{{"prompt": [{{"role": "user", "content": k}}], "answer": 12}} for k in ("ROW-A", "ROW-B")])
+trainer = GRPOTrainer(model, product_reward, args=args, train_dataset=data, tools=[multiply])
+turns = {{"ROW-A": [call("multiply", a=3, b=4), call("multiply", a=3, c=4), "x", "12", "no"], "ROW-B": ["x"] * 3}}
+trainer.accelerator.unwrap_model(trainer.model).generate = ScriptedPolicy(tokenizer, turns).generate
+trainer.train()
+log = trainer.state.log_history[0]
+json.dump({{k: v for k, v in log.items() if k.startswith(("tools/", "reward"))}},
+          open(out + f"/rank{{PartialState().process_index}}.json", "w"))
+'''
+
+
+def test_tool_metrics_count_every_process_on_two_cpu_processes(smollm2, tmp_path):
+    "Under `accelerate launch` (2 CPU processes) TRL's frequencies are over all rollouts: 2 calls in 6, 1 of 2 failed."
+    from pathlib import Path
+    from test_scale import TINY, run_two_cpu_processes
+    script = TWO_PROCESS_SCRIPT.format(tests=str(Path(__file__).parent), model=str(smollm2))
+    ranks = run_two_cpu_processes(tmp_path, script, TINY)
+    for rank in ranks:
+        assert rank["tools/call_frequency"] == pytest.approx(1 / 3) and rank["tools/failure_frequency"] == 0.5
+        assert rank["reward"] == pytest.approx(1 / 6)
