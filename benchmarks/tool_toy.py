@@ -7,6 +7,7 @@ a call; then trains `--steps` GRPO steps with `product_reward` (and, with `--cal
 call) and measures again. It prints one JSON line per seed.
 
     python benchmarks/tool_toy.py --seeds 0 1 2 --steps 20                   # SmolLM2-135M-Instruct, offline, CPU
+    python benchmarks/tool_toy.py --warm-start 20 --steps 10                 # a supervised warm start first
     python benchmarks/tool_toy.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 50 --seeds 0 1 2   # hub, GPU
 """
 import argparse, json, tempfile, time
@@ -19,7 +20,7 @@ from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.models import smollm2_path
 from grpo_lab.rollout import SamplingSettings
 from grpo_lab.tools import (ToolLoopEngine, final_answer, multiply, multiplication_problems, product_reward,
-                            tool_use_stats)
+                            tool_suffix_ids, tool_use_stats)
 
 
 def well_formed_call(completions, **kwargs) -> list[float]:
@@ -41,15 +42,50 @@ def held_out_stats(model, tokenizer, problems, max_new_tokens: int, batch: int =
             "sample": [final_answer(m) for m in messages[:2]]}
 
 
+def warm_start(model, tokenizer, problems, steps: int, batch: int = 4, learning_rate: float = 1e-4) -> list[float]:
+    "A few supervised steps on ideal transcripts (call, result, answer); the tool's tokens are not trained. Losses."
+    engine = ToolLoopEngine(tokenizer, tools=[multiply])
+    examples = []
+    for r in problems:
+        prompt = tokenizer(engine.render(r["prompt"], [multiply], SamplingSettings()), add_special_tokens=False)["input_ids"]
+        call = tokenizer('<tool_call>\n{"name": "multiply", "arguments": {"a": %d, "b": %d}}\n</tool_call><|im_end|>'
+                         % (r["a"], r["b"]), add_special_tokens=False)["input_ids"]
+        result = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "multiply", "content": str(r["answer"])}],
+                                 engine.chat_template)
+        answer = tokenizer(f"{r['a']} times {r['b']} is {r['answer']}.<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids = prompt + call + result + answer
+        labels = [-100] * len(prompt) + call + [-100] * len(result) + answer
+        examples.append((ids, labels))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    model.train()
+    losses = []
+    for step in range(steps):
+        chunk = [examples[(step * batch + i) % len(examples)] for i in range(batch)]
+        width = max(len(ids) for ids, _ in chunk)
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in chunk])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 3))
+    return losses
+
+
 def run_seed(model_name: str, seed: int, steps: int, n_train: int, n_eval: int, max_new_tokens: int,
-             call_bonus: bool) -> dict:
+             call_bonus: bool, warm_steps: int = 0) -> dict:
     torch.manual_seed(seed)
     train = multiplication_problems(n_train, seed=seed)
     held = multiplication_problems(n_eval, seed=1000 + seed, exclude={(r["a"], r["b"]) for r in train})
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     model = AutoModelForCausalLM.from_pretrained(model_name)
-    before = held_out_stats(model, tokenizer, held, max_new_tokens)
-    record = {"model": model_name, "seed": seed, "steps": steps, "before": before}
+    record = {"model": model_name, "seed": seed, "steps": steps}
+    if warm_steps:
+        record["base"] = held_out_stats(model, tokenizer, held, max_new_tokens)
+        record["warm_start_losses"] = warm_start(model, tokenizer, train, warm_steps)
+    record["before"] = held_out_stats(model, tokenizer, held, max_new_tokens)
     if steps:
         args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=8,
                           max_completion_length=max_new_tokens, max_tool_calling_iterations=1, max_steps=steps,
@@ -75,10 +111,12 @@ def main(argv=None):
     p.add_argument("--eval", type=int, default=32, help="held-out problems")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--call-bonus", action="store_true", help="add 0.5 for a rollout whose calls ran")
+    p.add_argument("--warm-start", type=int, default=0, help="supervised steps on ideal transcripts before GRPO")
     a = p.parse_args(argv)
     model = a.model or str(smollm2_path())
     for seed in a.seeds:
-        print(json.dumps(run_seed(model, seed, a.steps, a.train, a.eval, a.max_new_tokens, a.call_bonus)), flush=True)
+        print(json.dumps(run_seed(model, seed, a.steps, a.train, a.eval, a.max_new_tokens, a.call_bonus,
+                                  a.warm_start)), flush=True)
 
 
 if __name__ == "__main__":
