@@ -10,9 +10,11 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
 import tempfile
 import time
+import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from itertools import islice
@@ -21,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object
 from datasets import IterableDataset
 from fastcore.basics import patch
@@ -41,6 +43,7 @@ from .loss import (LOSS_TABLE, LossSettings, completion_logps, grpo_loss, high_e
 from .models import eos_token_ids, load_policy, make_reference, reference_logps
 from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_function, check_reward_arguments,
                               reward_names, score)
+from .tools import RolloutFuncEngine, ToolLoopEngine
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine,
                               check_stream_length, generation_chunks, generation_rows, length_metrics, process_rows,
                               stream_chunks)
@@ -48,7 +51,8 @@ from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, Sha
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep',
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'engine_columns',
+           'environment_rewards', 'environment_placeholder_dataset', 'AdaptiveEntropy', 'Position', 'MicroStep',
            'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
@@ -75,16 +79,20 @@ class GRPOTrainer:
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, reward_funcs, args, train_dataset).train()`."
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
-                 optimizers=(None, None), peft_config=None, engine: RolloutEngine | None = None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, engine: RolloutEngine | None = None):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
+        environment_data = train_dataset is None
         if train_dataset is None:
-            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' column "
-                             "(e.g. grpo_lab.data.load_prompts('prompts.jsonl') or arithmetic_task(1000)).")
-        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            train_dataset = environment_placeholder_dataset(args, environment_factory)
+        no_rewards = reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs)
+        if no_rewards and environment_factory is None:
             raise ValueError("No reward source provided. Pass `reward_funcs`: a function, a reward model (or its "
-                             "folder or hub id), or a list of them.")
+                             "folder or hub id), or a list of them; or an `environment_factory` whose environment "
+                             "defines a `get_reward` method.")
         _check_output_dir(args.output_dir)
-        self.train_dataset = load_prompts(train_dataset)
+        # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
+        self.train_dataset = train_dataset if environment_data else load_prompts(train_dataset)
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         _eval_sets(eval_dataset)
         self.streaming = isinstance(self.train_dataset, IterableDataset)
@@ -97,15 +105,16 @@ class GRPOTrainer:
         self.plan = plan_for(args, self.accelerator.num_processes, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, self.accelerator.num_processes, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
-        model, self.processing_class = _load_model(args, model, processing_class, peft_config)
-        self.reward_funcs = self._load_rewards(reward_funcs, reward_processing_classes)
+        model, self.processing_class = _load_model(args, model, processing_class, peft_config, quantization_config)
+        self.engine = make_engine(self, engine, tools=tools, rollout_func=rollout_func,
+                                  environment_factory=environment_factory)
+        self.reward_funcs = self._load_rewards([] if no_rewards else reward_funcs, reward_processing_classes)
         self.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None for f in self.reward_funcs]
         self.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
         self._logs = _completion_logs(self.plan.generation_batch_size)
         self.eos_ids = eos_token_ids(model, self.processing_class)
         self.max_new_tokens = _completion_room(args, model, self.processing_class, self.train_dataset, self.streaming)
         self.sampling = SamplingSettings.from_config(args, self.processing_class, self.eos_ids, self.max_new_tokens)
-        self.engine = engine if engine is not None else SharedPrefillEngine(self.processing_class, self.accelerator.device)
         self.ref_model = make_reference(model, args.beta)
         self.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
         self._entropy_window = torch.zeros(2, dtype=torch.float64)     # entropy sum, tokens: this optimizer step
@@ -194,9 +203,67 @@ def _check_output_dir(output_dir) -> None:
         raise ValueError(f"output_dir={str(path)!r} cannot be written ({e.strerror}); choose a folder you can write to.") from None
 
 
-def _load_model(args, model, processing_class, peft_config):
-    "The policy and its tokenizer, with the config's loading options."
+def make_engine(trainer, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
+                environment_factory=None) -> RolloutEngine:
+    "The rollout engine of a run: the one given, a user's `rollout_func`, the tool loop, or shared-prefill `generate`."
+    args, tokenizer = trainer.args, trainer.processing_class
+    agentic = bool(tools) or environment_factory is not None
+    if engine is not None and (agentic or rollout_func is not None):
+        raise ValueError("engine= replaces grpo-lab's generation, so tools, environment_factory and rollout_func cannot "
+                         "be given with it: pass one or the other.")
+    if rollout_func is not None and agentic:
+        raise ValueError("rollout_func owns generation, so grpo-lab cannot run tools or environments inside it: run "
+                         "them in your rollout_func (return env_mask to mask their tokens), or drop rollout_func.")
+    if engine is not None:
+        return engine
+    if rollout_func is not None:
+        return RolloutFuncEngine(rollout_func, trainer, tokenizer)
+    if agentic:
+        return ToolLoopEngine(tokenizer, tools=tools, environment_factory=environment_factory,
+                              max_tool_calling_iterations=args.max_tool_calling_iterations)
+    return SharedPrefillEngine(tokenizer, trainer.accelerator.device)
+
+
+def engine_columns(engine: RolloutEngine) -> list[str]:
+    "The keyword columns an engine adds for the reward functions (TRL's `environments`)."
+    return ["environments"] if isinstance(engine, ToolLoopEngine) and engine.environments is not None else []
+
+
+def environment_rewards(engine: RolloutEngine) -> list:
+    "`(name, function)` for each environment class of the engine that scores its rollouts with `get_reward`."
+    return engine.environments.reward_functions() if isinstance(engine, ToolLoopEngine) and engine.environments else []
+
+
+def environment_placeholder_dataset(args, environment_factory):
+    "Without a dataset, an environment owns the data: empty prompts for `reset()` to fill, `max_steps` long (TRL)."
+    from datasets import Dataset
+    if environment_factory is None:
+        raise ValueError("`train_dataset` is required unless an `environment_factory` is provided: a dataset with a "
+                         "'prompt' column (e.g. grpo_lab.data.load_prompts('prompts.jsonl') or arithmetic_task(1000)).")
+    if isinstance(environment_factory, dict):
+        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                         "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+                         "single environment factory.")
+    if args.max_steps <= 0:
+        raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the prompt "
+                         "from `reset()`), `max_steps` must be set to a positive value to define the training length. "
+                         "Set it via `GRPOConfig(max_steps=...)`.")
+    rows = plan_for(args, PartialState().num_processes, None).unique_prompts_per_generation
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+
+
+def _load_model(args, model, processing_class, peft_config, quantization_config=None):
+    "The policy and its tokenizer, with the config's loading options (and TRL's `quantization_config`)."
     init_kwargs = as_dict(args.model_init_kwargs)
+    if quantization_config is not None:
+        if "quantization_config" in init_kwargs:
+            raise ValueError("quantization_config is given both to GRPOTrainer and in args.model_init_kwargs: "
+                             "give it once.")
+        if not isinstance(model, (str, os.PathLike)):
+            warnings.warn("quantization_config applies to a model loaded by name or folder; the model passed is "
+                          "already built, so it is ignored (quantize it when you load it).")
+        else:
+            init_kwargs["quantization_config"] = quantization_config
     model, tokenizer = load_policy(model, tokenizer=processing_class, load_in_4bit=args.load_in_4bit,
                                    lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                    target_modules=args.target_modules, peft_config=peft_config,
@@ -235,10 +302,19 @@ def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) ->
     for f in funcs:
         if isinstance(f, RewardModel):
             f.chat_template_kwargs = as_dict(self.args.chat_template_kwargs)
-    check_reward_arguments(funcs, _column_names(self.train_dataset))
+    if not isinstance(self.engine, RolloutFuncEngine):     # a rollout_func's extra columns are known only once it runs
+        check_reward_arguments(funcs, [*_column_names(self.train_dataset), *engine_columns(self.engine)])
     if self.args.reward_weights is not None and len(self.args.reward_weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(self.args.reward_weights)} values for {len(funcs)} reward functions; "
                          "give one weight per function.")
+    self.reward_weights = self.args.reward_weights
+    own = environment_rewards(self.engine)          # an environment's get_reward: one more source, weight 1 (TRL)
+    if own:
+        funcs += [fn for _, fn in own]
+        self.reward_weights = None if self.reward_weights is None else [*self.reward_weights, *[1.0] * len(own)]
+    if not funcs:
+        raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                         "environment defines a `get_reward` method.")
     self.reward_names = reward_names(funcs)
     return funcs
 
@@ -349,14 +425,16 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict], group: torch.Tensor
     texts, p_ids, p_mask, c_ids, c_mask, truncated = (out.prompt_texts, out.prompt_ids, out.prompt_mask,
                                                       out.completion_ids, out.completion_mask, out.truncated)
     decoded, completions, rewards = self._decode_and_score(rows, out)
-    adv, stats = compute_advantages(rewards, args.num_generations, reward_weights=args.reward_weights,
+    adv, stats = compute_advantages(rewards, args.num_generations, reward_weights=self.reward_weights,
                                     scale_rewards=args.scale_rewards, reward_names=self.reward_names,
                                     multi_objective_aggregation=args.multi_objective_aggregation)
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
-    lengths, all_truncated = acc.gather(c_mask.sum(1).float()), acc.gather(truncated.to(acc.device))
+    sampled = c_mask if out.tool_mask is None else c_mask * out.tool_mask      # TRL counts the model's own tokens
+    lengths, all_truncated = acc.gather(sampled.sum(1).float()), acc.gather(truncated.to(acc.device))
     if args.mask_truncated_completions:
         c_mask = c_mask * (~truncated).unsqueeze(1).int()
-    self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + c_mask.sum()).reshape(1)).sum().item())
+    sampled = c_mask if out.tool_mask is None else c_mask * out.tool_mask
+    self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + sampled.sum()).reshape(1)).sum().item())
     metrics = {"num_tokens": self.state.num_input_tokens_seen,
                **length_metrics(lengths.cpu(), all_truncated.cpu()), **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics), **out.metrics}
     extra = self._reward_logs.extra
@@ -375,8 +453,10 @@ def _decode_and_score(self: GRPOTrainer, rows: list[dict], out: Completions) -> 
     "The completions as text, as the reward functions receive them, and all processes' rewards `(N, F)`."
     id_lists = [c[m.bool()].tolist() for c, m in zip(out.completion_ids, out.completion_mask)]
     decoded = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
-    completions = [_as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
-    scored = [{**r, **{k: v[i] for k, v in out.extra.items()}} for i, r in enumerate(rows)] if out.extra else rows
+    columns = dict(out.extra)
+    messages = columns.pop("completion_messages", None)      # a multi-turn engine's turns (assistant and tool)
+    completions = messages if messages is not None else [_as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
+    scored = [{**r, **{k: v[i] for k, v in columns.items()}} for i, r in enumerate(rows)] if columns else rows
     rewards = self.accelerator.gather(self._score(scored, completions, id_lists).to(self.accelerator.device))
     return decoded, completions, rewards.float().cpu()
 
@@ -863,7 +943,7 @@ def _evaluate_set(self: GRPOTrainer, dataset) -> dict:
         rows, group = generation_rows(prompts, G, acc.num_processes, acc.process_index)
         out = self._completions(rows, group)
         rewards = self._decode_and_score(rows, out)[2]
-        adv, stats = compute_advantages(rewards, G, reward_weights=args.reward_weights, scale_rewards=args.scale_rewards,
+        adv, stats = compute_advantages(rewards, G, reward_weights=self.reward_weights, scale_rewards=args.scale_rewards,
                                         reward_names=self.reward_names,
                                         multi_objective_aggregation=args.multi_objective_aggregation)
         kept = out.completion_mask * (~out.truncated).unsqueeze(1).int() if args.mask_truncated_completions \
