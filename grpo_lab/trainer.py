@@ -44,12 +44,13 @@ from .rewards import (RewardFunctionError, RewardLogs, RewardModel, as_reward_fu
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine,
                               check_stream_length, generation_chunks, generation_rows, length_metrics, process_rows,
                               stream_chunks)
+from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'AdaptiveEntropy', 'Position', 'MicroStep',
-           'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'AdaptiveEntropy', 'Position',
+           'MicroStep', 'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 class TrainingInterrupted(KeyboardInterrupt):
@@ -105,7 +106,7 @@ class GRPOTrainer:
         self.eos_ids = eos_token_ids(model, self.processing_class)
         self.max_new_tokens = self._check_lengths(model)
         self.sampling = SamplingSettings.from_config(args, self.processing_class, self.eos_ids, self.max_new_tokens)
-        self.engine = engine if engine is not None else SharedPrefillEngine(self.processing_class, self.accelerator.device)
+        self.engine = engine if engine is not None else make_engine(args, model, self.processing_class, self.accelerator.device)
         self.ref_model = make_reference(model, args.beta)
         self.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
         self._entropy_window = torch.zeros(2, dtype=torch.float64)     # entropy sum, tokens: this optimizer step
@@ -325,6 +326,14 @@ def _as_completion(text: str, prompt):
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
 
+def make_engine(args, model, tokenizer, device) -> RolloutEngine:
+    "The engine `args` ask for: vLLM (colocated, or a server; `06d_vllm`) with use_vllm, else padded generate."
+    if args.use_vllm:
+        from grpo_lab.vllm_engine import vllm_engine_from_config
+        return vllm_engine_from_config(args, model, tokenizer, device)
+    return SharedPrefillEngine(tokenizer, device)
+
+
 @patch
 def _completions(self: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Completions:
     "The engine's completions of `rows` (each prompt repeated G times; `group` says which), by the current policy."
@@ -411,7 +420,23 @@ def _reward_metrics(self: GRPOTrainer, stats: dict) -> dict:
 @patch
 def _needs_old_logps(self: GRPOTrainer) -> bool:
     "True when the policy moves between sampling and an update (mu > 1, or several steps per generation)."
-    return self.args.num_iterations > 1 or self.plan.steps_per_generation > self.args.gradient_accumulation_steps
+    return self.args.num_iterations > 1 or self.plan.steps_per_generation > self.args.gradient_accumulation_steps \
+        or self._corrects_sampler()
+
+
+@patch
+def _corrects_sampler(self: GRPOTrainer) -> bool:
+    "True when the engine is not the policy (vLLM) and TRL's importance-sampling correction is on."
+    return self.args.use_vllm and self.args.vllm_importance_sampling_correction
+
+
+@patch
+def _sampler_weights(self: GRPOTrainer, rollout: Rollout):
+    "TRL's importance-sampling weights of `rollout`'s rows (engine vs policy) and their `sampling/*` metrics."
+    args = self.args
+    return importance_sampling_weights(rollout.old_logps, rollout.sampling_logps, rollout.loss_mask,
+                                       args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                                       is_clip_max(args))
 
 
 @patch
@@ -424,6 +449,8 @@ def _add_logps(self: GRPOTrainer, rollout: Rollout):
     if self._needs_old_logps():
         rollout.old_logps, _ = completion_logps(self.model, input_ids, attention_mask, k,
                                                 temperature=self.args.temperature, batch_size=bs)
+    if self._corrects_sampler() and rollout.sampling_logps is not None:
+        rollout.metrics.update(self._sampler_weights(rollout)[1])
     if self.args.beta > 0:
         rollout.ref_logps = reference_logps(self.accelerator.unwrap_model(self.model), self.ref_model, input_ids,
                                             attention_mask, k, temperature=self.args.temperature, batch_size=bs)
@@ -447,10 +474,12 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if self.entropy_control is not None:
         self._add_to_entropy_window(entropies.detach(), mask, gathered)
+    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
+    is_ratio = self._sampler_weights(mb)[0] if self._corrects_sampler() and mb.sampling_logps is not None else None
     loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **self.loss_settings.kwargs(),
                             ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
-                            entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=mb.old_logps,
-                            entropy_coef=self._entropy_coef())
+                            entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=sampled_by,
+                            entropy_coef=self._entropy_coef(), importance_sampling_ratio=is_ratio)
     return loss, self._gather_stats(stats)
 
 

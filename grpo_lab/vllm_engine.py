@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'VLLM_INSTALL', 'IS_MODES', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm',
-           'importance_sampling_weights', 'check_vllm_config', 'merged_weights', 'sampling_params', 'group_requests',
-           'to_completions', 'VLLMColocateEngine', 'push_weights', 'policy_weights', 'VLLMServer', 'serve', 'main',
-           'VLLMServerEngine']
+           'importance_sampling_weights', 'check_vllm_config', 'is_clip_max', 'merged_weights', 'sampling_params',
+           'group_requests', 'to_completions', 'VLLMColocateEngine', 'push_weights', 'policy_weights', 'VLLMServer',
+           'serve', 'main', 'VLLMServerEngine', 'vllm_engine_from_config']
 
 # %% ../nbs/06d_vllm.ipynb
 VLLM_INSTALL = ('On a CUDA machine: pip install "grpo-lab[vllm]". On a CPU-only machine: pip install torch==2.13.0 '
@@ -113,9 +113,10 @@ def check_vllm_config(args) -> None:
            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: grpo-lab runs one vLLM engine per process "
            "(tensor parallelism needs several GPUs and torch.distributed groups); set it to 1, or serve the model "
            "with `vllm serve --tensor-parallel-size N` yourself.")
-    refuse(not args.vllm_enable_sleep_mode or torch.cuda.is_available(),
-           "vllm_enable_sleep_mode=True frees CUDA memory between rollouts and needs a GPU; this machine has none: "
-           "set vllm_enable_sleep_mode=False.")
+    refuse(not args.vllm_enable_sleep_mode,
+           "vllm_enable_sleep_mode=True (TRL frees vLLM's CUDA memory between rollouts) is not implemented in "
+           "grpo-lab, and needs a GPU; set vllm_enable_sleep_mode=False (on a GPU, lower vllm_gpu_memory_utilization "
+           "to leave the trainer room).")
     refuse(args.vllm_group_port == 51216,
            f"vllm_group_port={args.vllm_group_port}: that port is TRL's NCCL channel for weights; grpo-lab's server "
            "takes weights over its HTTP port with a token, so leave vllm_group_port at 51216.")
@@ -126,11 +127,23 @@ def check_vllm_config(args) -> None:
     _check_model_length(args)
 
 # %% ../nbs/06d_vllm.ipynb
+def is_clip_max(args) -> float | None:
+    "The upper bound of the IS weights: TRL's deprecated `vllm_importance_sampling_cap` wins over clip_max, as in TRL."
+    cap = getattr(args, "vllm_importance_sampling_cap", None)
+    return cap if cap is not None else args.vllm_importance_sampling_clip_max
+
+
 def _check_is_clip(args) -> None:
-    "clip_min < clip_max, and the deprecated cap taken as clip_max (as TRL does)."
-    if getattr(args, "vllm_importance_sampling_cap", None) is not None:
-        args.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_cap
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    "clip_min < clip_max; vespo takes the IS weights inside its own weights in TRL, which grpo-lab does not do."
+    low, high = args.vllm_importance_sampling_clip_min, is_clip_max(args)
+    if args.vllm_importance_sampling_correction and getattr(args, "loss_type", None) == "vespo":
+        raise ValueError("loss_type='vespo' with use_vllm=True and vllm_importance_sampling_correction=True: TRL folds "
+                         "the vLLM importance weights into VESPO's own sequence weights, which grpo-lab does not "
+                         "implement; set vllm_importance_sampling_correction=False or choose another loss_type.")
+    if args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("truncate") \
+            and low is None and high is None:
+        raise ValueError(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} needs a bound to "
+                         "truncate to: set vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.")
     if low is not None and high is not None and low >= high:
         raise ValueError(f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max="
                          f"{high}; raise clip_max or lower clip_min.")
@@ -212,8 +225,8 @@ def group_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: t
 
 
 def to_completions(texts, prompt_ids, prompt_mask, group, samples: list[tuple[list[int], list[float]]],
-                   settings: SamplingSettings) -> Completions:
-    "`Completions` from one `(token ids, log-probs)` per row, right-padded (log-probs padded with 0)."
+                   settings: SamplingSettings, device=None) -> Completions:
+    "`Completions` from one `(token ids, log-probs)` per row, right-padded (log-probs padded with 0), on `device`."
     width = max(1, max(len(ids) for ids, _ in samples))
     c_ids = torch.full((len(samples), width), settings.pad_token_id, dtype=torch.long)
     logps = torch.zeros(len(samples), width)
@@ -221,7 +234,9 @@ def to_completions(texts, prompt_ids, prompt_mask, group, samples: list[tuple[li
         c_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         logps[i, :len(lps)] = torch.tensor(lps, dtype=torch.float)
     mask, truncated = completion_mask(c_ids, settings.eos_token_ids)
-    return Completions(texts, prompt_ids, prompt_mask, c_ids, mask, truncated, group, sampling_logps=logps)
+    on = lambda t: t.to(device or "cpu")
+    return Completions(texts, on(prompt_ids), on(prompt_mask), on(c_ids), on(mask), on(truncated), group,
+                       sampling_logps=on(logps))
 
 # %% ../nbs/06d_vllm.ipynb
 def _policy_path(policy) -> str:
@@ -248,16 +263,16 @@ class VLLMColocateEngine(RolloutEngine):
 
     def __init__(self, policy, tokenizer, *, dtype: str | None = None, max_model_len: int | None = None, seed: int = 0,
                  gpu_memory_utilization: float = 0.3, model_impl: str = "vllm",
-                 structured_outputs_regex: str | None = None, enable_sleep_mode: bool = False, **llm_kwargs):
+                 structured_outputs_regex: str | None = None, device=None, **llm_kwargs):
         vllm = import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # the engine lives in this process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")              # GiB of KV cache on CPU
-        self.tokenizer, self.regex, self.synced_step = tokenizer, structured_outputs_regex, None
+        self.tokenizer, self.regex, self.synced_step, self.device = tokenizer, structured_outputs_regex, None, device
         threads = torch.get_num_threads()
         self.llm = vllm.LLM(model=_policy_path(policy), tokenizer=_policy_path(policy), dtype=_vllm_dtype(policy, dtype),
                             max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
-                            enable_sleep_mode=enable_sleep_mode, enforce_eager=not torch.cuda.is_available(),
+                            enforce_eager=not torch.cuda.is_available(),
                             **llm_kwargs)
         if torch.get_num_threads() != threads:       # vLLM binds its threads; the trainer keeps its own count
             torch.set_num_threads(threads)
@@ -302,7 +317,7 @@ def _generate(self: VLLMColocateEngine, rows: list[dict], group: torch.Tensor, p
     outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
                                 [params[n] for _, n in requests], use_tqdm=False)
     samples = [(list(s.token_ids), _sampled_logps(s)) for out in outputs for s in out.outputs]
-    done = to_completions(texts, p_ids, p_mask, group, samples, settings)
+    done = to_completions(texts, p_ids, p_mask, group, samples, settings, self.device)
     done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
                     "vllm/weight_sync_seconds": self.weight_sync_seconds}
     return done
@@ -456,10 +471,11 @@ class VLLMServerEngine(RolloutEngine):
 
     def __init__(self, policy, tokenizer, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                  timeout: float = 240.0, token: str | None = None, token_file: str | Path | None = None,
-                 structured_outputs_regex: str | None = None):
+                 structured_outputs_regex: str | None = None, device=None):
         host = "127.0.0.1" if host == "0.0.0.0" else host         # TRL's default names the local machine
         self.url = (base_url or f"http://{host}:{port}").rstrip("/")
-        self.tokenizer, self.regex, self.synced_step, self.weight_sync_seconds = tokenizer, structured_outputs_regex, None, 0.0
+        self.tokenizer, self.regex, self.device = tokenizer, structured_outputs_regex, device
+        self.synced_step, self.weight_sync_seconds = None, 0.0
         self.info = self._wait(timeout)
         self.token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or _read_token(Path(token_file or DEFAULT_TOKEN_FILE))
         self._check_model(policy)
@@ -526,10 +542,21 @@ def _server_generate(self: VLLMServerEngine, rows, group, policy, settings: Samp
     payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
     start = time.perf_counter()
     samples = self._request("POST", "/generate", json.dumps(payload).encode())["samples"]
-    done = to_completions(texts, p_ids, p_mask, group, [tuple(s) for s in samples], settings)
+    done = to_completions(texts, p_ids, p_mask, group, [tuple(s) for s in samples], settings, self.device)
     done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
                     "vllm/weight_sync_seconds": self.weight_sync_seconds}
     return done
 
 
 VLLMServerEngine.sync, VLLMServerEngine.generate = _server_sync, _server_generate
+
+# %% ../nbs/06d_vllm.ipynb
+def vllm_engine_from_config(args, policy, tokenizer, device=None) -> RolloutEngine:
+    "The vLLM engine `args` ask for (`vllm_mode`), with their `vllm_*` settings; the server's client needs no vLLM."
+    if args.vllm_mode == "server":
+        return VLLMServerEngine(policy, tokenizer, base_url=args.vllm_server_base_url, host=args.vllm_server_host,
+                                port=args.vllm_server_port, timeout=args.vllm_server_timeout,
+                                structured_outputs_regex=args.vllm_structured_outputs_regex, device=device)
+    return VLLMColocateEngine(policy, tokenizer, max_model_len=args.vllm_max_model_length, seed=args.seed,
+                              gpu_memory_utilization=args.vllm_gpu_memory_utilization, model_impl=args.vllm_model_impl,
+                              structured_outputs_regex=args.vllm_structured_outputs_regex, device=device)

