@@ -7,7 +7,8 @@ go stale: change the code and the test names the cell whose output changed.
     python tests/notebook_runner.py --store nbs/03_loss.ipynb     # execute and store the outputs
     python tests/notebook_runner.py --check nbs/03_loss.ipynb     # execute and compare (what the tests do)
 
-Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run (nor `#| vllm` where vLLM is absent) (their stored outputs, if any, stay).
+Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run, nor `#| vllm` cells where vLLM does not
+import (their stored outputs, if any, stay).
 Floats are compared to two significant digits (another CPU may differ in the last bits). Cells whose output differs
 from run to run (timings, memory) carry `#| volatile`: they run, their output is stored, and only its kind is
 compared; so are the tutorials' outputs, which come from training runs. Error output (warnings, progress bars) is

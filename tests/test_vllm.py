@@ -249,6 +249,12 @@ def server(smollm2_folder, tmp_path_factory):
                              "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
                              "--token-file", str(token_file)], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "GRPO_LAB_VLLM_TOKEN": ""})
+    deadline = time.monotonic() + 300                   # the token is written once the engine is up
+    while not token_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    if not token_file.exists():
+        proc.kill()
+        pytest.fail(f"the server did not start:\n{(token_file.parent / 'serve.log').read_text()[-3000:]}")
     yield port, token_file, proc
     proc.send_signal(signal.SIGINT)
     try:
