@@ -61,7 +61,7 @@ class GRPOConfig(TrainingArguments):
     chat_template_kwargs: dict | str | None = None
     repetition_penalty: float = 1.0
     cache_implementation: str | None = None
-    # vLLM (TRL's fast generation server): not available in grpo-lab
+    # vLLM: colocated or as a server (06d_vllm; check_vllm_config says which fields are honoured)
     use_vllm: bool = False
     vllm_mode: str = "colocate"
     vllm_model_impl: str = "vllm"
@@ -163,7 +163,6 @@ def _coerce_numbers(cfg) -> None:
 
 # %% ../nbs/06a_config.ipynb
 REFUSED_OPTIONS = {
-    "use_vllm": "grpo-lab generates with transformers' generate; vLLM is not supported (leave use_vllm=False)",
     "use_liger_kernel": "Liger kernels are not supported; grpo-lab computes log-probs in tiles already (03_loss)",
     "use_transformers_continuous_batching": "transformers' continuous batching was slower than padded generate in every "
         "CPU measurement (1.2-2.9x at real shapes, 10x or more at the tiny model; 10_bench, BENCHMARKS.md) and samples "
@@ -222,6 +221,8 @@ def _check_ranges(cfg) -> None:
     scale_mode(cfg.scale_rewards)
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
+    from .vllm_engine import check_vllm_config               # the vLLM options (imports vLLM only to use it)
+    check_vllm_config(cfg)
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
     _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
     _check(cfg.max_completion_length is not None and cfg.max_completion_length >= 1,

@@ -491,7 +491,8 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
               vespo_lambda_neg: float = 2.0, entropies: torch.Tensor | None = None, top_entropy_quantile: float = 1.0,
               gathered_entropies: torch.Tensor | None = None, off_policy_mask_threshold: float | None = None,
               sampling_per_token_logps: torch.Tensor | None = None, entropy_coef: float | None = None,
-              gradient_accumulation_steps: int = 1, num_processes: int = 1, steps_per_generation: int | None = None):
+              gradient_accumulation_steps: int = 1, num_processes: int = 1, steps_per_generation: int | None = None,
+              importance_sampling_ratio: torch.Tensor | None = None):
     "The loss to back-propagate for one micro-batch (scaled for accumulation and processes, as TRL 1.16) and its stats."
     _check_loss_args(per_token_logps, old_per_token_logps, advantages, completion_mask, ref_per_token_logps, beta,
                      epsilon_low, epsilon_high, importance_sampling_level, delta, entropies, top_entropy_quantile,
@@ -514,6 +515,8 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     if top_entropy_quantile < 1:
         entropy_mask = high_entropy_mask(entropies, mask, 1 - top_entropy_quantile, gathered_entropies)
         per_token_loss, kept = per_token_loss * entropy_mask, mask * entropy_mask
+    if importance_sampling_ratio is not None:    # the sampler is not the policy (vLLM): (B, T) or (B, 1) weights
+        per_token_loss = per_token_loss * importance_sampling_ratio
     kl = None
     if beta != 0:
         kl = kl_k3(per_token_logps, ref_per_token_logps)

@@ -47,6 +47,7 @@ from .tools import RolloutFuncEngine, ToolLoopEngine
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine,
                               check_stream_length, generation_chunks, generation_rows, length_metrics, process_rows,
                               stream_chunks)
+from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class GRPOTrainer:
         self.loss_settings = LossSettings.from_config(args, self.accelerator.num_processes, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
         model, self.processing_class = _load_model(args, model, processing_class, peft_config, quantization_config)
-        self.engine = make_engine(self, engine, tools=tools, rollout_func=rollout_func,
+        self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         self.reward_funcs = self._load_rewards([] if no_rewards else reward_funcs, reward_processing_classes)
         self.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None for f in self.reward_funcs]
@@ -203,9 +204,9 @@ def _check_output_dir(output_dir) -> None:
         raise ValueError(f"output_dir={str(path)!r} cannot be written ({e.strerror}); choose a folder you can write to.") from None
 
 
-def make_engine(trainer, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
+def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
                 environment_factory=None) -> RolloutEngine:
-    "The rollout engine of a run: the one given, a user's `rollout_func`, the tool loop, or shared-prefill `generate`."
+    "The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or shared-prefill `generate`."
     args, tokenizer = trainer.args, trainer.processing_class
     agentic = bool(tools) or environment_factory is not None
     if engine is not None and (agentic or rollout_func is not None):
@@ -216,6 +217,12 @@ def make_engine(trainer, engine: RolloutEngine | None = None, *, tools=None, rol
                          "them in your rollout_func (return env_mask to mask their tokens), or drop rollout_func.")
     if engine is not None:
         return engine
+    if args.use_vllm:                       # vLLM, colocated or a server (06d_vllm)
+        if agentic or rollout_func is not None:
+            raise ValueError("use_vllm=True with tools, environment_factory or rollout_func is not supported yet: "
+                             "grpo-lab's tool loop generates with the policy itself; set use_vllm=False.")
+        from grpo_lab.vllm_engine import vllm_engine_from_config
+        return vllm_engine_from_config(args, model, tokenizer, trainer.accelerator.device)
     if rollout_func is not None:
         return RolloutFuncEngine(rollout_func, trainer, tokenizer)
     if agentic:
@@ -484,7 +491,20 @@ def _reward_metrics(stats: dict, names: list[str], logged: dict) -> dict:
 # %% ../nbs/06_trainer.ipynb
 def _needs_old_logps(args, plan) -> bool:
     "True when the policy moves between sampling and an update (mu > 1, or several steps per generation)."
-    return args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps
+    return args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps \
+        or _corrects_sampler(args)
+
+
+def _corrects_sampler(args) -> bool:
+    "True when the engine is not the policy (vLLM) and TRL's importance-sampling correction is on."
+    return args.use_vllm and args.vllm_importance_sampling_correction
+
+
+def _sampler_weights(args, rollout: Rollout):
+    "TRL's importance-sampling weights of `rollout`'s rows (engine vs policy) and their `sampling/*` metrics."
+    return importance_sampling_weights(rollout.old_logps, rollout.sampling_logps, rollout.loss_mask,
+                                       args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                                       is_clip_max(args))
 
 
 @patch
@@ -497,6 +517,8 @@ def _add_logps(self: GRPOTrainer, rollout: Rollout):
     if _needs_old_logps(self.args, self.plan):
         rollout.old_logps, _ = completion_logps(self.model, input_ids, attention_mask, k,
                                                 temperature=self.args.temperature, batch_size=bs)
+    if _corrects_sampler(self.args) and rollout.sampling_logps is not None:
+        rollout.metrics.update(_sampler_weights(self.args, rollout)[1])
     if self.args.beta > 0:
         rollout.ref_logps = reference_logps(self.accelerator.unwrap_model(self.model), self.ref_model, input_ids,
                                             attention_mask, k, temperature=self.args.temperature, batch_size=bs)
@@ -520,10 +542,13 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if self.entropy_control is not None:
         self._add_to_entropy_window(entropies.detach(), mask, gathered)
+    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
+    is_ratio = _sampler_weights(args, mb)[0] if _corrects_sampler(self.args) and mb.sampling_logps is not None else None
     loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **self.loss_settings.kwargs(),
                             ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
-                            entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=mb.old_logps,
-                            entropy_coef=_entropy_coef(self.entropy_control, args.entropy_coef))
+                            entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=sampled_by,
+                            entropy_coef=_entropy_coef(self.entropy_control, args.entropy_coef),
+                            importance_sampling_ratio=is_ratio)
     return loss, _gather_stats(acc, stats)
 
 

@@ -7,13 +7,15 @@ go stale: change the code and the test names the cell whose output changed.
     python tests/notebook_runner.py --store nbs/03_loss.ipynb     # execute and store the outputs
     python tests/notebook_runner.py --check nbs/03_loss.ipynb     # execute and compare (what the tests do)
 
-Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run (their stored outputs, if any, stay).
+Cells flagged `#| slow`, `#| gpu`, `#| hub` or `#| eval: false` are not run, nor `#| vllm` cells where vLLM does not
+import (their stored outputs, if any, stay).
 Floats are compared to two significant digits (another CPU may differ in the last bits). Cells whose output differs
 from run to run (timings, memory) carry `#| volatile`: they run, their output is stored, and only its kind is
 compared; so are the tutorials' outputs, which come from training runs. Error output (warnings, progress bars) is
 never stored.
 """
 import argparse
+import importlib.util
 import base64
 import io
 import json
@@ -24,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_FLAGS = {"slow", "gpu", "hub"}
+# `#| vllm` cells need vLLM (a second virtual environment: see tests/test_vllm.py); they run where it imports
+SKIP_FLAGS = {"slow", "gpu", "hub"} | (set() if importlib.util.find_spec("vllm") else {"vllm"})
 MAX_TEXT = 4000              # characters kept of one text output
 MAX_NOTEBOOK_BYTES = 1_500_000
 
