@@ -18,3 +18,26 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f"grpo_lab.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'grpo_lab' has no attribute {name!r}")
+
+# %% ../nbs/index.ipynb
+import logging as _logging
+
+
+class _DropNotice(_logging.Filter):
+    "Drop the log records whose message holds every one of `fragments`; pass all others."
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not all(fragment in message for fragment in self.fragments)
+
+
+# bitsandbytes (0.50 at least, on CPUs with AVX512-BF16) logs at its import that the optional `kernels` package is
+# missing: a hub-downloaded kernel for 4-bit *inference* on the CPU, with a built-in fallback. grpo-lab's 4-bit
+# layers train on the path that kernel does not serve (`models._keep_4bit_trainable`), and transformers and peft
+# import bitsandbytes on their own, so the record is dropped where every `grpo_lab` import starts. Nothing else
+# from that logger, or from bitsandbytes, is touched (tests/test_imports.py checks both).
+_logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropNotice("gemm_4bit_forward", "kernels"))
+

@@ -208,7 +208,7 @@ class PhaseTimer:
         self._current, self._start = {}, now
 
 # %% ../nbs/10_bench.ipynb
-_METHODS = {"grpo-lab": {"generation": ["_generate"], "scoring": ["_score"], "forward": ["_add_logps", "_micro_batch_loss"]},
+_METHODS = {"grpo-lab": {"generation": ["_completions"], "scoring": ["_score"], "forward": ["_add_logps", "_micro_batch_loss"]},
             "trl": {"generation": ["_generate"], "scoring": ["_calculate_rewards"],
                     "forward": ["_get_per_token_logps_and_entropies", "compute_loss"]}}
 

