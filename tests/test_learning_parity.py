@@ -27,14 +27,17 @@ PROBLEMS = ["12+34=", "7+5=", "40-13=", "9+88=", "63-7=", "25+25=", "3+4=", "81-
 # - The gradient of each step (after clipping): |g_grpo_lab - g_trl| / |g_trl| <= GRAD_TOLERANCE. Both compute the
 #   same sums in a different order (each trainer shuffles the rows across micro-batches with its own permutation, and
 #   the dapo loss makes the accumulated gradient independent of the split; grpo-lab numbers positions from each row's
-#   first real token, TRL from the padded start, which RoPE's relative angles make equal up to rounding). Reordered
-#   float32 sums differ by ~1e-7 relative; 1e-5 leaves room for that over 30 layers, and a real difference (a wrong
-#   advantage, mask, loss scale or token) is >= 1e-3.
+#   first real token, TRL from the padded start, which RoPE's relative angles make equal up to rounding). At step 1
+#   the weights are identical and the gap is pure float32 reordering (measured 4.5e-6: 1e-5 allowed); later steps
+#   start from weights that already differ by the rounding below, and their gradients inherit it (measured
+#   0.8-1.3e-5: 5e-5 allowed). A difference in what is computed (advantages, mask, loss scale, a token) is not
+#   rounding and shows at step 1.
 # - The weights after each step: |w_grpo_lab - w_trl| / |w_trl - w_0| <= WEIGHT_TOLERANCE, the gap relative to how
 #   far training moved the adapter. AdamW's update is g / (sqrt(v) + eps), so an entry whose gradient is rounding
 #   noise near eps = 1e-8 can move by a different fraction of lr in each run: one such entry among the ~1.1M adapter
-#   entries is ~1e-3 of the whole update. A wrong learning rate, schedule or optimizer setting is >= 1e-2.
-GRAD_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 5e-3
+#   entries is ~1e-3 of the whole update (measured: 4.0e-4, 2.8e-4, 2.5e-4, 2.3e-4 over the 4 steps: no drift).
+#   A wrong learning rate, schedule or optimizer setting moves it by >= 1e-2.
+FIRST_GRAD_TOLERANCE, GRAD_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 5e-5, 5e-3
 
 
 def reward_digits_and_length(prompts, completions, answer, **kwargs):
@@ -197,7 +200,7 @@ def test_same_gradient_every_step(runs):
     assert runs["lab"].grad_norms == pytest.approx(runs["trl"].grad_norms, rel=GRAD_TOLERANCE)
     gaps = relative_gaps(runs["lab"].grads, runs["trl"].grads)
     print("gradient gaps per step:", [f"{g:.1e}" for g in gaps])
-    assert max(gaps) <= GRAD_TOLERANCE, [f"{g:.1e}" for g in gaps]
+    assert gaps[0] <= FIRST_GRAD_TOLERANCE and max(gaps) <= GRAD_TOLERANCE, [f"{g:.1e}" for g in gaps]
 
 
 def test_adapter_weights_equal_after_every_step(runs):
