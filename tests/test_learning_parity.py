@@ -35,7 +35,8 @@ PROBLEMS = ["12+34=", "7+5=", "40-13=", "9+88=", "63-7=", "25+25=", "3+4=", "81-
 # - The weights after each step: |w_grpo_lab - w_trl| / |w_trl - w_0| <= WEIGHT_TOLERANCE, the gap relative to how
 #   far training moved the adapter. AdamW's update is g / (sqrt(v) + eps), so an entry whose gradient is rounding
 #   noise near eps = 1e-8 can move by a different fraction of lr in each run: one such entry among the 0.92M adapter
-#   entries (q_proj, v_proj; 30 layers) is ~5e-4 of the whole update (measured: 4.0e-4, 2.8e-4, 2.5e-4, 2.3e-4 over the 4 steps: no drift).
+#   entries (q_proj, v_proj; 30 layers) is ~5e-4 of the whole update (measured: 4.0e-4, 2.8e-4, 2.5e-4, 2.3e-4
+#   over the 4 steps: no drift).
 #   A wrong learning rate, schedule or optimizer setting moves it by >= 1e-2.
 FIRST_GRAD_TOLERANCE, GRAD_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 5e-5, 5e-3
 
