@@ -144,7 +144,8 @@ def runs(lora_model, tmp_path_factory):
     trl_record = RecordSteps(trl_model)
     trainer = trl.GRPOTrainer(model=trl_model, reward_funcs=reward_digits_and_length,
                               args=trl.GRPOConfig(**shared_settings(tmp_path_factory.mktemp("trl"))),
-                              train_dataset=dataset(), processing_class=copy.deepcopy(tokenizer), callbacks=[trl_record])
+                              train_dataset=dataset(), processing_class=copy.deepcopy(tokenizer),
+                              callbacks=[trl_record])
     batches, sample = [], trainer._generate
 
     def recording(prompts):          # TRL's generation of one batch: record the prompts and the ids it returns
