@@ -565,14 +565,14 @@ def _gather_stats(acc, stats: dict) -> dict:
 def _optimizer_step(self: GRPOTrainer, losses: list[float], stats: list[dict], rollout: Rollout) -> dict:
     "Clip, check and apply the accumulated gradient; return the step's metrics."
     acc, args = self.accelerator, self.args
-    self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
     clip = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else float("inf")
-    grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), clip))
+    grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), clip))      # then the callbacks, as in the HF Trainer
     if not math.isfinite(grad_norm):
         self.optimizer.zero_grad()
         raise NonFiniteLossError(f"the gradient norm at step {self.state.global_step + 1} is {grad_norm}; the weights "
                                  f"were not updated. Lower learning_rate or check the rewards. {_resume_hint(self._last_checkpoint)}")
     learning_rate = self.lr_scheduler.get_last_lr()[0]
+    self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
     self.optimizer.step()
     self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
     self.lr_scheduler.step()

@@ -670,3 +670,21 @@ def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path)
     chunks = generation_chunks(len(data), trainer.plan.unique_prompts_per_generation, 42, 1, shuffle=True)
     assert batches == [data.select(c).to_list() for c in chunks]
     assert all(type(row["answer"]) is str and type(row["prompt"]) is str for rows in batches for row in rows)
+
+
+def test_callbacks_see_clipped_gradients_before_the_optimizer_step(tmp_path):
+    "As in the HF Trainer: gradients are clipped first, then on_pre_optimizer_step fires (found by the parity test)."
+    from transformers import TrainerCallback
+    norms = []
+
+    class GradNorm(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+            norms.append(torch.stack(grads).norm().item())
+
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=3, max_grad_norm=1e-3, learning_rate=1e-3),
+                          train_dataset=arithmetic_task(32), callbacks=[GradNorm()])
+    trainer.train()
+    logged = [h["grad_norm"] for h in trainer.history if "grad_norm" in h]
+    assert len(norms) == 3 and max(norms) <= 1e-3 * 1.001, norms
+    assert any(g > 1e-3 for g in logged), logged          # the logged norm is the one before clipping, as HF logs it
