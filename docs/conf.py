@@ -43,7 +43,15 @@ def _copy_mathjax(app, exception):
                         dirs_exist_ok=True)
 
 
+def _outputs_in_build(app):
+    "myst-nb writes notebook outputs next to the site's folder (jupyter_execute/); keep them in build/ instead."
+    folder = Path(app.doctreedir).parent / "docs-outputs"
+    app.env.mystnb_config = app.env.mystnb_config.copy(output_folder=str(folder),
+                                                       execution_cache_path=str(folder / ".jupyter_cache"))
+
+
 def setup(app):
+    app.connect("builder-inited", _outputs_in_build, priority=900)     # after myst-nb's own (priority 500)
     app.connect("build-finished", _copy_mathjax)
 
 

@@ -103,7 +103,7 @@ def _parse(path: Path) -> _Refs:
 def test_every_internal_link_resolves(site):
     "Each relative href/src of every page names a file of the site, and each #anchor an id on that page."
     out = site["out"]
-    pages = {p: _parse(p) for p in out.rglob("*.html")}
+    pages = {p: _parse(p) for p in out.rglob("*.html") if "_static" not in p.parts}   # _static: theme templates
     broken, checked = [], 0
     for page, parsed in pages.items():
         for ref in parsed.refs:
@@ -129,7 +129,7 @@ def test_reference_pages_show_doc_each_public_function(site):
     html = (site["out"] / "02_advantages.html").read_text()
     for func in (compute_advantages, nanstd):
         assert f'id="{func.__name__.replace("_", "-")}"' in html, func.__name__
-        assert func.__doc__.split("`")[0].strip() in html
+        assert func.__doc__.split("`")[0].split("(")[0].strip() in html
     assert "num_generations" in html and "scale_rewards" in html
     assert "def _weights" not in html, "an #| export cell's code is shown"
     assert "#|" not in html, "an nbdev directive is shown"
@@ -150,7 +150,7 @@ def test_notebook_pages_keep_their_outputs_and_open_in_colab(site):
 def test_exercise_solutions_and_their_runs_are_collapsed(site):
     html = (site["out"] / "tutorials/01_first_grpo_run.html").read_text()
     assert re.search(r"<details>\s*<summary>Solution 1</summary>", html)
-    assert "Show the solution&#8217;s run" in html or "Show the solution's run" in html
+    assert re.search(r"Show the solution(&#x27;|'|&#8217;)s run", html), "a solution's run is not collapsed"
 
 
 def test_a_widget_says_it_needs_a_kernel(site):
@@ -166,8 +166,8 @@ def test_search_index_holds_the_reference(site):
 
 
 def test_settings_and_the_pages_workflow_agree():
-    "settings.ini's doc_host/doc_baseurl are where GitHub Pages publishes this repository; the workflow builds with
-    the README's command and uploads the folder it writes."
+    """settings.ini's doc_host/doc_baseurl are where GitHub Pages publishes this repository; the workflow builds with
+    the README's command and uploads the folder it writes."""
     cfg = configparser.ConfigParser(delimiters=["="])
     cfg.read(ROOT / "settings.ini")
     cfg = cfg["DEFAULT"]
