@@ -142,6 +142,16 @@ class Browser:
         "Wait until MathJax (when the page loads it) has typeset the page."
         self.evaluate(session, "window.MathJax && MathJax.startup ? MathJax.startup.promise.then(() => true) : true")
 
+    def page_facts(self, session: str) -> dict:
+        "Typeset formulas, whether raw `$$` is left in the article's prose (code aside), and each image: [src, drawn]."
+        return self.evaluate(session, """(() => {
+          const prose = document.querySelector('article').cloneNode(true);
+          prose.querySelectorAll('pre, code, script').forEach(e => e.remove());
+          return {formulas: document.querySelectorAll('mjx-container').length,
+                  raw_math: prose.textContent.includes('$$'),
+                  images: [...document.images].map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])};
+        })()""")
+
     def screenshot(self, session: str, full_page: bool = False) -> bytes:
         "PNG of the viewport (or of the whole page)."
         params = {"format": "png"}

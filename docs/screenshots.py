@@ -20,32 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # page -> (file name, where to scroll to: a CSS selector whose element is put at the top, or None)
 SHOTS = {
     "index.html": ("home.png", None),
-    "tutorials/03_loss_normalization.html": ("tutorial-math-and-plot.png", "img[src$='.png']"),
+    "tutorials/05_reward_curves.html": ("tutorial-math-and-plot.png", "mjx-container[display='true']"),
     "02_advantages.html": ("reference.png", "#compute-advantages"),
 }
 
-PAGE_FACTS = """({
-  formulas: document.querySelectorAll('mjx-container').length,
-  raw_math: document.querySelector('article').innerText.includes('$$'),
-  images: document.images.length,
-  broken_images: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
-})"""
-
-
 def scroll_to(browser: Browser, page: str, selector: str) -> None:
-    "Scroll so that the element matching `selector` (or, for an image, the formula before it) is in view."
+    "Scroll the first visible element matching `selector` to the top of the window."
     browser.evaluate(page, f"""(() => {{
-      const el = document.querySelector({json.dumps(selector)});
-      if (!el) throw new Error('no element matches ' + {json.dumps(selector)});
-      const math = [...document.querySelectorAll('mjx-container[display="true"]')]
-        .filter(m => m.compareDocumentPosition(el) & Node.DOCUMENT_POSITION_FOLLOWING).pop();
-      const top = (math && el.tagName === 'IMG' ? math : el).getBoundingClientRect().top;
-      window.scrollBy(0, top - 80);
+      const el = [...document.querySelectorAll({json.dumps(selector)})].find(e => e.offsetParent !== null);
+      if (!el) throw new Error('no visible element matches ' + {json.dumps(selector)});
+      window.scrollBy(0, el.getBoundingClientRect().top - 120);
       return true;
     }})()""")
 
 
-def take(site: Path, out: Path, full_page: bool = False, width: int = 1280, height: int = 900) -> dict:
+def take(site: Path, out: Path, full_page: bool = False, width: int = 1280, height: int = 1100) -> dict:
     "Take the shots; return {file name: the page's facts}."
     out.mkdir(parents=True, exist_ok=True)
     facts = {}
@@ -56,7 +45,7 @@ def take(site: Path, out: Path, full_page: bool = False, width: int = 1280, heig
             if selector and not full_page:
                 scroll_to(browser, page, selector)
             (out / name).write_bytes(browser.screenshot(page, full_page=full_page))
-            facts[name] = {"page": page_path, **browser.evaluate(page, PAGE_FACTS)}
+            facts[name] = {"page": page_path, **browser.page_facts(page)}
     return facts
 
 
@@ -70,7 +59,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"no site at {args.site}: build it first with `python docs/build.py`")
     for name, fact in take(args.site, args.out, args.full_page).items():
         print(f"{args.out / name}: {fact['page']}, {fact['formulas']} formulas typeset, "
-              f"{fact['images'] - len(fact['broken_images'])} of {fact['images']} images loaded, "
+              f"{sum(drawn for _, drawn in fact['images'])} of {len(fact['images'])} images drawn, "
               f"raw $$ left: {fact['raw_math']}")
     return 0
 

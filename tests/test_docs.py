@@ -1,6 +1,7 @@
 """The documentation site builds from a fresh copy of the repository with the README's command, without a warning;
 its page list follows the files; every internal link resolves; a browser shows typeset math and loaded images."""
 import configparser
+import importlib.util
 import json
 import os
 import re
@@ -35,6 +36,9 @@ def _extra_notebooks(repo: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     "The site built by `python docs/build.py` in a copy of the tracked files (what a fresh clone has) plus two notebooks."
+    missing = [m for m in ("sphinx", "myst_nb", "sphinx_book_theme") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"the docs tools are not installed ({', '.join(missing)}): pip install -e '.[docs]' (or '.[dev]')")
     repo = tmp_path_factory.mktemp("clone")
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
@@ -181,13 +185,6 @@ def test_settings_and_the_pages_workflow_agree():
     assert docs_extra and docs_extra <= set(cfg["dev_requirements"].split())
 
 
-PAGE_FACTS = """({
-  formulas: document.querySelectorAll('mjx-container').length,
-  raw_math: document.querySelector('article').innerText.includes('$$'),
-  images: [...document.images].map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0]),
-})"""
-
-
 def test_a_browser_typesets_the_math_and_loads_the_images(site):
     "Headless Chromium opens a tutorial and a reference page from disk: no raw $$ left, every image drawn."
     if not find_chromium():
@@ -199,7 +196,7 @@ def test_a_browser_typesets_the_math_and_loads_the_images(site):
                                               ("02_advantages.html", 10, 1)):
             tab = browser.open(site["out"] / page)
             browser.wait_for_math(tab)
-            facts = browser.evaluate(tab, PAGE_FACTS)
+            facts = browser.page_facts(tab)
             assert facts["formulas"] >= min_formulas and not facts["raw_math"], (page, facts)
             broken = [src for src, ok in facts["images"] if not ok]
             plots = [src for src, ok in facts["images"] if ok and src.endswith(".png")]
