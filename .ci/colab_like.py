@@ -2,7 +2,8 @@
 
     python .ci/colab_like.py                          # every tutorial, every module notebook, the index
     python .ci/colab_like.py tutorials 07_widgets     # only notebooks whose path contains one of these
-    python .ci/colab_like.py --venv build/colab-venv  # keep the environment between runs (made once)
+    python .ci/colab_like.py --venv .cache/colab-venv # keep the environment between runs (made again when
+                                                      # settings.ini's requirements change)
 
 What it does:
 1. makes a Python 3.12 virtual environment (`--python`, default pyenv's 3.12.1) and installs torch==2.13.0 (the CPU
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +72,11 @@ def build_wheel(into: Path, root: Path = ROOT) -> Path:
 def make_venv(venv: Path, wheel: Path, python: str = PYTHON) -> Path:
     "A Colab-like environment: torch (CPU), the wheel's dependencies (no extras), ipywidgets 7.7.1; no grpo-lab."
     bin_python = venv / "bin" / "python"
+    stamp = venv / "colab-like-stamp.json"
+    wanted = {"python": python, "torch": TORCH, "colab": COLAB_PACKAGES, "kernel": KERNEL_STAND_IN,
+              "requirements": settings_requirements()}
+    if bin_python.exists() and (not stamp.exists() or json.loads(stamp.read_text()) != wanted):
+        shutil.rmtree(venv)                   # made for other requirements: start again, nothing stale kept
     if not bin_python.exists():
         if not Path(python).exists():
             raise SystemExit(f"Python 3.12 not found at {python}; pass --python PATH to a Python 3.12 interpreter")
@@ -80,7 +87,16 @@ def make_venv(venv: Path, wheel: Path, python: str = PYTHON) -> Path:
     pip = [str(bin_python), "-m", "pip", "install", "--quiet"]
     run([*pip, str(wheel), *COLAB_PACKAGES, *KERNEL_STAND_IN])
     run([str(bin_python), "-m", "pip", "uninstall", "--quiet", "--yes", "grpo-lab"])
+    stamp.write_text(json.dumps(wanted))
     return bin_python
+
+
+def settings_requirements(root: Path = ROOT) -> list[str]:
+    "The runtime requirements in settings.ini (a kept environment is made again when they change)."
+    import configparser
+    cfg = configparser.ConfigParser(delimiters=["="])
+    cfg.read(root / "settings.ini", encoding="utf-8")
+    return cfg["DEFAULT"]["requirements"].split()
 
 
 def fake_colab(into: Path) -> Path:
@@ -135,11 +151,15 @@ def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, tim
 
 
 def _error_summary(output: str) -> str:
-    "The failing cell's number and the exception's last line."
-    lines = [line for line in output.strip().splitlines() if line.strip()]
-    cell = next((line for line in lines if ", cell " in line and line.endswith(":")), "")
-    last = next((line for line in reversed(lines) if "Error" in line or "Exception" in line), lines[-1] if lines else "")
-    return f"{cell} {last}".strip()[:500]
+    "The failing cell's number and the first exception named in its traceback (the cause, not the wrappers)."
+    cell = re.search(r"([\w.-]+\.ipynb, cell \d+)", output)
+    errors = [m for m in re.finditer(r"\b(\w+(?:Error|Exception|Interrupt)): ([^\\\n]{0,240})", output)
+              if not (cell and m.group(2).startswith(cell.group(1)))]     # the runner's wrapper names the cell
+    error = errors[0] if errors else None
+    text = error.group(0).rstrip('", ') if error else (output.strip().splitlines() or [""])[-1]
+    if text.count("'") % 2:                   # the quote that closed the traceback line's repr
+        text = text.removesuffix("'")
+    return f"{cell.group(1)}: {text}" if cell else text
 
 
 def main(argv=None) -> int:

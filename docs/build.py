@@ -124,7 +124,10 @@ def show_doc_markdown(obj, name: str, source_url: str | None, level: int = 3) ->
         line = f"{kind} {name.split('.')[-1]}({', '.join(params)})"
         if len(line) > 100:                    # one parameter per line, as a formatter would write it
             line = f"{kind} {name.split('.')[-1]}(\n" + "".join(f"    {p},\n" for p in params) + ")"
-        parts.append(f"```python\n{line}\n```")
+        block = f"```python\n{line}\n```"
+        if len(params) > 20:                   # a config's hundred fields: folded, the docstring first in view
+            block = f"<details><summary>Signature: {len(params)} parameters</summary>\n\n{block}\n\n</details>"
+        parts.append(block)
     if doc.docs:
         parts.append(doc.docs)
     if doc.dm.has_docment:
