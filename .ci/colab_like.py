@@ -1,7 +1,7 @@
 """Run the notebooks as a learner on Colab runs them: Python 3.12, the project's wheel alone, ipywidgets 7.7.1.
 
     python .ci/colab_like.py                          # every tutorial, every module notebook, the index
-    python .ci/colab_like.py tutorials 07_widgets     # only notebooks whose path contains one of these
+    python .ci/colab_like.py tutorials/ 07_widgets    # only notebooks whose path under nbs/ starts so
     python .ci/colab_like.py --venv .cache/colab-venv # keep the environment between runs (made again when
                                                       # settings.ini's requirements change)
 
@@ -48,7 +48,7 @@ def notebooks(patterns: list[str] | None = None, root: Path = ROOT) -> list[Path
     every = [*sorted((nbs / "tutorials").glob("[0-9]*.ipynb")), *sorted(nbs.glob("[0-9]*.ipynb")), nbs / "index.ipynb"]
     if not patterns:
         return every
-    chosen = [p for p in every if any(pattern in p.relative_to(nbs).as_posix() for pattern in patterns)]
+    chosen = [p for p in every if any(p.relative_to(nbs).as_posix().startswith(pattern) for pattern in patterns)]
     if not chosen:
         raise SystemExit(f"no notebook matches {patterns}; names look like tutorials/01_first_grpo_run or 07_widgets")
     return chosen
@@ -164,7 +164,7 @@ def _error_summary(output: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("patterns", nargs="*", help="run only notebooks whose path contains one of these")
+    parser.add_argument("patterns", nargs="*", help="run only notebooks whose path under nbs/ starts with one of these")
     parser.add_argument("--venv", type=Path, help="environment folder to make once and reuse (default: a fresh one)")
     parser.add_argument("--python", default=PYTHON, help="the Python 3.12 to make the environment with")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds one notebook may take")

@@ -323,6 +323,8 @@ def process_notebook(path: Path, page_paths: dict[Path, str], root: Path = ROOT)
         out.append(shown)
         if i in widgets_shown:
             out.append(widget_note(widgets_shown[i], colab_url(path, root)))
+    for n, cell in enumerate(out):            # nbformat 4.5 wants an id on every cell
+        cell.setdefault("id", f"cell-{n}")
     nb["cells"] = out
     return nb
 
