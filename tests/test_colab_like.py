@@ -2,7 +2,9 @@
 
 A Python 3.12 environment with the project's wheel alone (no extras) and ipywidgets 7.7.1, an empty model cache, and
 the notebook's own Colab-only cell installing grpo-lab (from the local wheel), each notebook alone in an empty folder.
-grpo-lab is not installed when a notebook starts, so a notebook that runs proves that its install cell worked.
+grpo-lab is not installed when a notebook starts, so a notebook that runs proves that its install cell worked. The
+stored outputs are compared as tests/test_notebooks.py compares them, so this run can stand in for that one for
+these notebooks.
 
 The environment is kept in .cache/colab-venv (made again when settings.ini's requirements change). Every notebook a
 learner runs (all tutorials, every module notebook, the index) is `python .ci/colab_like.py`; that full run does not
@@ -35,7 +37,7 @@ def test_tutorials_and_widgets_run_as_on_colab(tmp_path):
         pytest.skip(f"no Python 3.12 at {PYTHON} (pyenv's 3.12.1), which the Colab-like environment is made with")
     results = tmp_path / "results.json"
     done = subprocess.run([sys.executable, str(ROOT / ".ci/colab_like.py"), *IN_THE_TEST_COMMAND,
-                           "--venv", str(ROOT / ".cache/colab-venv"), "--json", str(results)],
+                           "--check", "--venv", str(ROOT / ".cache/colab-venv"), "--json", str(results)],
                           cwd=ROOT, capture_output=True, text=True, timeout=3000)
     print(done.stdout)
     ran = json.loads(results.read_text()) if results.exists() else []
