@@ -7,8 +7,9 @@
 
 What it does:
 1. makes a Python 3.12 virtual environment (`--python`, default pyenv's 3.12.1) and installs torch==2.13.0 (the CPU
-   build on these machines), then the dependencies of the project's wheel (`pip wheel --no-deps .`), without any
-   extra, and ipywidgets==7.7.1, what Colab ships; then removes grpo-lab itself, so that it is not installed;
+   build if a local wheel or PyTorch's CPU index has one for 3.12, else PyPI's, with CUDA libraries as on Colab),
+   then the dependencies of the project's wheel (`pip wheel --no-deps .`), without any extra, and ipywidgets==7.7.1,
+   what Colab ships; then removes grpo-lab itself, so that it is not installed;
 2. runs each notebook in a fresh process, from a copy alone in an empty folder (Colab has no repository around
    the notebook), with an empty model cache (GRPO_LAB_CACHE), no model hub (HF_HUB_OFFLINE=1), and a stand-in
    `google.colab` module imported first, so the notebook's Colab-only cell runs its `pip install grpo-lab`; pip is
@@ -39,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "/root/.pyenv/versions/3.12.1/bin/python"
 TORCH = "torch==2.13.0"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 COLAB_PACKAGES = ["ipywidgets==7.7.1"]
 KERNEL_STAND_IN = ["execnb==0.1.11", "ipython<9"]
 
@@ -84,7 +86,12 @@ def make_venv(venv: Path, wheel: Path, python: str = PYTHON) -> Path:
         run([python, "-m", "venv", str(venv)])
         pip = [str(bin_python), "-m", "pip", "install", "--quiet"]
         run([*pip, "--upgrade", "pip"])
-        run([*pip, TORCH])
+        # The CPU build where there is one (a local wheel, or PyTorch's CPU index); else PyPI's build, which
+        # carries ~4.5 GB of CUDA libraries (as Colab's torch does) and runs on a CPU all the same.
+        cpu = subprocess.run([*pip, TORCH, "--extra-index-url", CPU_INDEX, "--retries", "0", "--timeout", "15"],
+                             capture_output=True, text=True)
+        if cpu.returncode != 0:
+            run([*pip, TORCH])
     pip = [str(bin_python), "-m", "pip", "install", "--quiet"]
     run([*pip, str(wheel), *COLAB_PACKAGES, *KERNEL_STAND_IN])
     run([str(bin_python), "-m", "pip", "uninstall", "--quiet", "--yes", "grpo-lab"])
