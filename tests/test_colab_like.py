@@ -10,6 +10,7 @@ The environment is kept in .cache/colab-venv (made again when settings.ini's req
 learner runs (all tutorials, every module notebook, the index) is `python .ci/colab_like.py`; that full run does not
 fit in CI's time budget, this part does.
 """
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,8 +20,10 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / ".ci"))
-from colab_like import PYTHON, notebooks  # noqa: E402
+_spec = importlib.util.spec_from_file_location("colab_like", ROOT / ".ci" / "colab_like.py")
+colab_like = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(colab_like)
+PYTHON, notebooks = colab_like.PYTHON, colab_like.notebooks
 
 IN_THE_TEST_COMMAND = ["tutorials/", "07_widgets"]
 

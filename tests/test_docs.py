@@ -16,8 +16,17 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "docs"))
-from browser import Browser, find_chromium  # noqa: E402
+
+def _load(path: Path):
+    "A script of the repository as a module (without putting its folder on sys.path)."
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+browser = _load(ROOT / "docs" / "browser.py")
+Browser, find_chromium = browser.Browser, browser.find_chromium
 
 BUILD = [sys.executable, "docs/build.py"]          # the README's command, run from the repository's root
 
