@@ -307,9 +307,17 @@ def process_notebook(path: Path, page_paths: dict[Path, str], root: Path = ROOT)
         if d.keys() & HIDDEN:
             continue
         if d.keys() & SHOW_DOC:
-            target = importlib.import_module(f"grpo_lab.{d['export']}") if d.get("export") else module
+            target = importlib.import_module(f"{settings(root)['lib_path']}.{d['export']}") if d.get("export") \
+                else module
+            if target is None:
+                raise ValueError(f"{path.name}, cell {i}: an #| export cell without `#| default_exp` in the notebook; "
+                                 "add `#| default_exp MODULE` (nbdev needs it to export the cell too).")
             for name in public_names(without_directives(source)):
-                obj = resolve(target, name)
+                try:
+                    obj = resolve(target, name)
+                except AttributeError:
+                    raise ValueError(f"{path.name}, cell {i} defines {name}, which {target.__name__} lacks: the "
+                                     "package is not what the notebooks export; run nbdev_export.") from None
                 doc_level = min(level + 1, 4)      # under the section it is in
                 out.append(_markdown(show_doc_markdown(obj, name, source_url(obj, blob), doc_level)))
             if "exports" not in d:
