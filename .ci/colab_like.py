@@ -168,7 +168,7 @@ def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, tim
 def _error_summary(output: str) -> str:
     "The failing cell's number and the first exception named in its traceback (the cause, not the wrappers)."
     cell = re.search(r"([\w.-]+\.ipynb, cell \d+)", output)
-    errors = [m for m in re.finditer(r"\b(\w+(?:Error|Exception|Interrupt))(?:: ([^\\\n]{0,240}))?", output)
+    errors = [m for m in re.finditer(r"\b(\w+(?:Error|Exception|Interrupt))(?![\w(])(?:: ([^\\\n]{0,240}))?", output)
               if not (cell and (m.group(2) or "").startswith(cell.group(1)))   # the runner's wrapper names the cell
               and not m.group(0).startswith("Traceback")]
     error = errors[0] if errors else None
