@@ -171,7 +171,7 @@ def _error_summary(output: str) -> str:
     errors = [m for m in re.finditer(r"\b(\w+(?:Error|Exception|Interrupt))(?![\w(])(?:: ([^\\\n]{0,240}))?", output)
               if not (cell and (m.group(2) or "").startswith(cell.group(1)))   # the runner's wrapper names the cell
               and not m.group(0).startswith("Traceback")]
-    error = errors[0] if errors else None
+    error = next((m for m in errors if m.group(2)), errors[0] if errors else None)   # the first with a message
     text = error.group(0).rstrip('", ') if error else (output.strip().splitlines() or [""])[-1]
     if text.count("'") % 2:                   # the quote that closed the traceback line's repr
         text = text.removesuffix("'")
