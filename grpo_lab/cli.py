@@ -23,7 +23,7 @@ __all__ = ['DEMO_RECIPES', 'CHAT_ADDITION', 'SMOLLM2_EVAL_SEED', 'CLIError', 'cm
            'resolve_dataset', 'parse_overrides', 'load_run', 'resume_command', 'interrupted_message', 'cmd_train',
            'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy', 'demo_config', 'demo_recipe',
            'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table', 'save_seeds_plot', 'cmd_demo', 'cmd_export',
-           'cmd_bench', 'build_parser', 'main']
+           'cmd_bench', 'cmd_vllm_serve', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -543,15 +543,29 @@ def _add_bench(sub):
     p.set_defaults(func=cmd_bench)
 
 # %% ../nbs/09_cli.ipynb
+def _add_vllm_serve(sub):
+    p = sub.add_parser("vllm-serve", add_help=False,
+                       help="serve a model with vLLM for use_vllm=True, vllm_mode='server' (localhost, token-guarded)")
+    p.set_defaults(func=cmd_vllm_serve)
+
+
+def cmd_vllm_serve(a, extra: list[str]) -> int:
+    "Run `grpo_lab.vllm_engine`'s server with the command line's own options."
+    from grpo_lab.vllm_engine import main as serve_main
+    serve_main(["serve", *extra])
+    return 0
+
+# %% ../nbs/09_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-lab", description="Learn and run GRPO fine-tuning of language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export,bench,vllm-serve}")
     sub.required = True
     _add_demo(sub)
     _add_train(sub)
     _add_plan(sub)
     _add_export(sub)
     _add_bench(sub)
+    _add_vllm_serve(sub)
     return parser
 
 
@@ -563,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "train":
             return a.func(a, parse_overrides(extra), extra)
+        if a.command == "vllm-serve":                 # its options are vLLM server's own (grpo_lab.vllm_engine)
+            return a.func(a, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return a.func(a)
