@@ -221,7 +221,7 @@ def _check_ranges(cfg) -> None:
     scale_mode(cfg.scale_rewards)
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
-    from .vllm_engine import check_vllm_config               # the vLLM options (imports vLLM only to use it)
+    from grpo_lab.vllm_engine import check_vllm_config       # the vLLM options (imports vLLM only to use it)
     check_vllm_config(cfg)
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
     _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
