@@ -436,14 +436,14 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict], group: torch.Tensor
                                     scale_rewards=args.scale_rewards, reward_names=self.reward_names,
                                     multi_objective_aggregation=args.multi_objective_aggregation)
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
-    sampled = c_mask if out.tool_mask is None else c_mask * out.tool_mask      # TRL counts the model's own tokens
-    lengths, all_truncated = acc.gather(sampled.sum(1).float()), acc.gather(truncated.to(acc.device))
+    lengths = acc.gather(_model_tokens(c_mask, out.tool_mask).sum(1).float())   # TRL counts the model's own tokens
+    all_truncated = acc.gather(truncated.to(acc.device))
     if args.mask_truncated_completions:
         c_mask = c_mask * (~truncated).unsqueeze(1).int()
-    sampled = c_mask if out.tool_mask is None else c_mask * out.tool_mask
-    self.state.num_input_tokens_seen += int(acc.gather((p_mask.sum() + sampled.sum()).reshape(1)).sum().item())
-    metrics = {"num_tokens": self.state.num_input_tokens_seen,
-               **length_metrics(lengths.cpu(), all_truncated.cpu()), **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics), **out.metrics}
+    seen = p_mask.sum() + _model_tokens(c_mask, out.tool_mask).sum()
+    self.state.num_input_tokens_seen += int(acc.gather(seen.reshape(1)).sum().item())
+    metrics = {"num_tokens": self.state.num_input_tokens_seen, **length_metrics(lengths.cpu(), all_truncated.cpu()),
+               **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics), **out.metrics}
     extra = self._reward_logs.extra
     samples = [{"prompt": texts[i], "completion": decoded[i], "reward": float(stats["rewards"][mine][i]),
                 "advantage": float(adv[mine][i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(texts))]
@@ -453,6 +453,11 @@ def _generate_and_score(self: GRPOTrainer, rows: list[dict], group: torch.Tensor
     rollout.num_items_in_batch = acc.gather(rollout.loss_mask.sum().reshape(1)).sum().item()
     self._add_logps(rollout)
     return rollout
+
+
+def _model_tokens(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> torch.Tensor:
+    "`(B, T)` the completion tokens the model sampled itself (tool results an engine inserted left out)."
+    return completion_mask if tool_mask is None else completion_mask * tool_mask
 
 
 @patch
@@ -977,9 +982,9 @@ def _evaluate_set(self: GRPOTrainer, dataset) -> dict:
                         adv[process_rows(len(adv), acc.num_processes, acc.process_index)].to(acc.device),
                         group=group, tool_mask=out.tool_mask)
         batch.num_items_in_batch = acc.gather(batch.loss_mask.sum().reshape(1)).sum().item()
+        lengths = acc.gather(_model_tokens(out.completion_mask, out.tool_mask).sum(1).float()).cpu()
         window.append({"loss": self._eval_loss(batch), **_reward_metrics(stats, self.reward_names, self._reward_logs.metrics),
-                       **length_metrics(acc.gather(out.completion_mask.sum(1).float()).cpu(),
-                                        acc.gather(out.truncated.to(acc.device)).cpu())})
+                       **length_metrics(lengths, acc.gather(out.truncated.to(acc.device)).cpu())})
     return _mean_metrics(window)
 
 
