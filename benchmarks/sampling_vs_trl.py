@@ -71,10 +71,9 @@ def trainers(train_set, output_dir: str):
     return lab, theirs
 
 
-def lab_sampler(trainer, engine):
+def lab_sampler(trainer, engine, recorder: RecordScores):
     "A function of (prompt rows, seed) -> per-completion records, through grpo-lab's trainer and `engine`."
     from grpo_lab.rollout import generation_rows
-    recorder = RecordScores(trainer.accelerator.unwrap_model(trainer.model))
 
     def sample(prompts: list[dict], seed: int) -> list[dict]:
         trainer.engine = engine
@@ -155,8 +154,9 @@ def main():
     prompts = [train_set[i] for i in range(N_PROMPTS)]
     lab, theirs = trainers(train_set, "/tmp/sampling-vs-trl")
     from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine
-    samplers = {"grpo-lab generate": lab_sampler(lab, GenerateEngine(lab.processing_class)),
-                "grpo-lab shared prefill": lab_sampler(lab, SharedPrefillEngine(lab.processing_class)),
+    recorder = RecordScores(lab.accelerator.unwrap_model(lab.model))
+    samplers = {"grpo-lab generate": lab_sampler(lab, GenerateEngine(lab.processing_class), recorder),
+                "grpo-lab shared prefill": lab_sampler(lab, SharedPrefillEngine(lab.processing_class), recorder),
                 "trl": trl_sampler(theirs)}
     records, seconds = {name: [] for name in samplers}, {name: 0.0 for name in samplers}
     rounds = a.completions // G

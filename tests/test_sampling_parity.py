@@ -30,10 +30,11 @@ PROMPTS = ["What is 12 + 34? Answer with just the number.", "Name a colour.",
 # Tolerance on |log p_policy - log p_sampler| per sampled token (float32). The sampler's logits come from a forward
 # pass that reads a KV cache one token at a time, the policy's from one pass over the whole sequence (and TRL's
 # through its fused LM head): the same sums in another order, whose rounding reaches ~1e-5 in logits of magnitude ~30
-# and is divided by T = 0.7 (measured: max 2.1e-5 for grpo-lab's engines, 2.3e-5 for TRL; see BENCHMARKS.md). What
-# the check must catch is far larger: a top-k of 50 renormalises by the mass left out (here >= 1e-2 on the
-# uncertain tokens), a repetition penalty of 1.1 moves a repeated token's logit by ~10% of its value, and a
-# temperature left out moves every log-prob by (1/T - 1) x its logit gap (~1e-1; tested below).
+# and is divided by T = 0.7. Measured max over the 12 x 16 tokens: 2.0e-5 (padded generate), 4.1e-5 (shared prefill:
+# its prompt cache comes from a separate forward pass over 3 rows), 2.3e-5 (TRL); 1e-3 leaves 25x room. What the check
+# must catch is a different distribution: a temperature left out misses by 1.05 here (tested below), a repetition
+# penalty of 1.1 moves a repeated token's logit by ~10% of its value, a top-k or top-p cut renormalises every
+# token's log-prob by the mass it leaves out.
 TOLERANCE = 1e-3
 
 
@@ -146,33 +147,27 @@ def test_the_draws_are_varied_and_exercise_padding_and_the_shared_prefill(lab):
 
 
 @pytest.mark.parametrize("engine", ["generate", "shared prefill"])
-def test_grpo_lab_samples_from_the_policy_it_learns_from(lab, engine, record_property):
+def test_grpo_lab_samples_from_the_policy_it_learns_from(lab, engine):
     "Every sampled token's log-prob under the sampler equals the trainer's policy log-prob at T, to rounding."
     r = lab[engine]
-    record_property("max_gap", gap(r["policy"], r["sampler"], r["out"].completion_mask))
     assert gap(r["policy"], r["sampler"], r["out"].completion_mask) < TOLERANCE
 
 
-def test_the_check_sees_a_wrong_temperature(lab, record_property):
+def test_the_check_sees_a_wrong_temperature(lab):
     "The policy's log-probs at T = 1 miss the sampler's by far more than the tolerance: the check can fail."
     r = lab["generate"]
-    record_property("max_gap", gap(r["untempered"], r["sampler"], r["out"].completion_mask))
     assert gap(r["untempered"], r["sampler"], r["out"].completion_mask) > 30 * TOLERANCE
 
 
-def test_trl_samples_from_the_policy_it_learns_from(trl_run, record_property):
+def test_trl_samples_from_the_policy_it_learns_from(trl_run):
     "The same holds for TRL 1.16's generation path and its fused-LM-head log-probs."
-    record_property("max_gap", gap(trl_run["policy"], trl_run["sampler"], trl_run["completion_mask"]))
     assert gap(trl_run["policy"], trl_run["sampler"], trl_run["completion_mask"]) < TOLERANCE
 
 
-def test_same_seed_same_draws_as_trl(lab, trl_run, record_property):
+def test_same_seed_same_draws_as_trl(lab, trl_run):
     "grpo-lab's padded engine gives generate the prompt tokens and settings TRL gives it, so one seed draws one sample."
     out = lab["generate"]["out"]
     assert torch.equal(out.prompt_ids, trl_run["prompt_ids"]) and torch.equal(out.prompt_mask, trl_run["prompt_mask"])
     ours = [c[m.bool()].tolist() for c, m in zip(out.completion_ids, out.completion_mask)]
     theirs = [c[m.bool()].tolist() for c, m in zip(trl_run["completion_ids"], trl_run["completion_mask"])]
-    prefilled = [c[m.bool()].tolist() for c, m in zip(lab["shared prefill"]["out"].completion_ids,
-                                                      lab["shared prefill"]["out"].completion_mask)]
-    record_property("shared_prefill_rows_equal_to_trl", sum(a == b for a, b in zip(prefilled, theirs)))
     assert ours == theirs
