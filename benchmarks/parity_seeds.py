@@ -13,7 +13,9 @@ schedule, loss_type "dapo", beta 0, 16 optimizer steps. The prompts are the Smol
 (`grpo_lab.cli.held_out_accuracy`), the same code for both trainers. Each seed prints one JSON line (accuracy after
 training, the mean training reward, completion length and entropy over the 16 steps, seconds); the untrained
 accuracy is measured once per process (the adapter starts as the identity: lora_B = 0). `--compare` prints both
-distributions, Welch's t and an exact permutation test on the difference of means.
+distributions, Welch's t and an exact permutation test on the difference of means, and an exact sign-flip test on
+the per-seed differences (a seed fixes the prompt order in both trainers: TRL's RepeatSampler and grpo-lab's
+generation_chunks draw the same torch.randperm; the sampled completions differ).
 """
 import argparse
 import json
@@ -119,6 +121,17 @@ def permutation_p(a: list[float], b: list[float]) -> float:
     return extreme / total
 
 
+def paired_p(a: list[float], b: list[float]) -> float:
+    "Exact two-sided sign-flip test on the mean of per-seed differences (seeds share their prompt order, not completions)."
+    diffs = [x - y for x, y in zip(a, b)]
+    observed, total, extreme = abs(sum(diffs)), 0, 0
+    for signs in range(2 ** len(diffs)):
+        flipped = sum(d if signs >> i & 1 else -d for i, d in enumerate(diffs))
+        total += 1
+        extreme += abs(flipped) >= observed - 1e-12
+    return extreme / total
+
+
 def compare(paths: list[str]) -> None:
     "Both distributions of held-out accuracy after training, and whether their means differ."
     runs = {}
@@ -143,6 +156,9 @@ def compare(paths: list[str]) -> None:
         t, df, p = welch(a, b)
         print(f"{key}: {name_a} - {name_b} = {statistics.mean(a) - statistics.mean(b):+.4f}; Welch t = {t:.2f} "
               f"(df {df:.1f}), p = {p:.3f}; exact permutation p = {permutation_p(a, b):.3f}")
+        both = [s for s in seeds if s in a_runs and s in b_runs]
+        print(f"  paired by seed ({len(both)} seeds): exact sign-flip p = "
+              f"{paired_p([a_runs[s][key] for s in both], [b_runs[s][key] for s in both]):.3f}")
 
 
 if __name__ == "__main__":
