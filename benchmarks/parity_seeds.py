@@ -1,4 +1,4 @@
-"""Issue 23's learning-parity recipe, seed by seed, with grpo-lab's or TRL's GRPOTrainer: one script, only the import changes.
+"""Issue 23's learning-parity recipe, seed by seed, with grpo-lab's or TRL's GRPOTrainer (only the import changes).
 
     OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer grpo-lab --seed 0 1 2 3 4 5 6 7 --output runs/parity-lab.json
     OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer trl --seed 0 1 2 3 4 5 6 7 --output runs/parity-trl.json
@@ -122,7 +122,7 @@ def permutation_p(a: list[float], b: list[float]) -> float:
 
 
 def paired_p(a: list[float], b: list[float]) -> float:
-    "Exact two-sided sign-flip test on the mean of per-seed differences (seeds share their prompt order, not completions)."
+    "Exact two-sided sign-flip test on the mean per-seed difference (a seed fixes the prompt order, not the completions)."
     diffs = [x - y for x, y in zip(a, b)]
     observed, total, extreme = abs(sum(diffs)), 0, 0
     for signs in range(2 ** len(diffs)):
@@ -167,7 +167,8 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, nargs="+", default=list(range(8)))
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: learning figures, not timings)")
     p.add_argument("--output", default=None, help="append each seed's JSON line to this file")
-    p.add_argument("--skip-before", action="store_true", help="do not measure the untrained accuracy (the same every seed)")
+    p.add_argument("--skip-before", action="store_true",
+                   help="do not measure the untrained accuracy (the same for every seed)")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="summarise result files instead of training")
     a = p.parse_args()
     if a.compare:

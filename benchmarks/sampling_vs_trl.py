@@ -134,7 +134,8 @@ def summary(records: list[dict]) -> dict:
     per_completion = [statistics.mean(r["entropy"]) for r in records if r["entropy"]]
     lengths = [r["length"] for r in records]
     return {"completions": len(records), "mean_length": round(statistics.mean(lengths), 3),
-            "length_quantiles": quantiles(lengths), "eos_share": round(sum(r["eos"] for r in records) / len(records), 3),
+            "length_quantiles": quantiles(lengths),
+            "eos_share": round(sum(r["eos"] for r in records) / len(records), 3),
             "mean_token_entropy": round(statistics.mean(tokens), 4), "token_entropy_quantiles": quantiles(tokens),
             "mean_completion_entropy": round(statistics.mean(per_completion), 4),
             "mean_token_logp": round(statistics.mean(l for r in records for l in r["logp"]), 4),
