@@ -1,8 +1,8 @@
 """Issue 23's learning-parity recipe, seed by seed, with grpo-lab's or TRL's GRPOTrainer (only the import changes).
 
-    OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer grpo-lab --seed 0 1 2 3 4 5 6 7 --output runs/parity-lab.json
-    OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer trl --seed 0 1 2 3 4 5 6 7 --output runs/parity-trl.json
-    python benchmarks/parity_seeds.py --compare runs/parity-lab.json runs/parity-trl.json
+    OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer grpo-lab --seed 0 1 2 3 4 5 6 7 --output runs/lab.json
+    OMP_NUM_THREADS=1 python benchmarks/parity_seeds.py --trainer trl --seed 0 1 2 3 4 5 6 7 --output runs/trl.json
+    python benchmarks/parity_seeds.py --compare runs/lab.json runs/trl.json
 
 The recipe: SmolLM2-135M-Instruct in float32, one LoRA adapter (r=16, alpha 32, dropout 0, all linear layers, the same
 `peft.LoraConfig` given to both), 2 prompts x 4 completions per optimizer step (per_device_train_batch_size 4,
@@ -122,7 +122,7 @@ def permutation_p(a: list[float], b: list[float]) -> float:
 
 
 def paired_p(a: list[float], b: list[float]) -> float:
-    "Exact two-sided sign-flip test on the mean per-seed difference (a seed fixes the prompt order, not the completions)."
+    "Exact two-sided sign-flip test on the mean per-seed difference (a seed fixes the prompts, not the completions)."
     diffs = [x - y for x, y in zip(a, b)]
     observed, total, extreme = abs(sum(diffs)), 0, 0
     for signs in range(2 ** len(diffs)):
