@@ -63,12 +63,14 @@ SELECTIONS = {
 DASHSCOPE = "dashscope==2.0.2"
 QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-                 "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                 "<tool_response>", "</tool_response>"]
-QWEN3_SPECIALS = QWEN_SPECIALS + ["<think>", "</think>"]
+# Added tokens after the ranks, in Qwen's order: special ones (skipped by decode(skip_special_tokens=True)) and
+# plain added ones (<tool_call> and friends are not special in Qwen's tokenizers: decoded text keeps them).
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN2_5_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                 "<|repo_name|>", "<|file_sep|>"]                                       # Qwen2.5: 151,665 tokens
+QWEN3_ADDED = QWEN2_5_ADDED + ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # Qwen3: 151,669
 # A tool call as TRL's tests spell it in token ids, and its text: the built tokenizer must agree both ways.
 PROBE_TEXT = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
 PROBE_IDS = [151657, 198, 4913, 606, 788, 330, 64648, 22785, 497, 330, 16370, 788, 5212, 64, 788, 220, 18, 11, 330,
@@ -191,10 +193,10 @@ def qwen_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def build_tokenizer(cache: Path, specials: list[str], template: str):
-    "A Qwen tokenizer (fast) with `specials` after the BPE ranks and TRL's copy of the Qwen `template`."
+def build_tokenizer(cache: Path, added: list[str], template: str):
+    "A Qwen tokenizer (fast): the BPE ranks, the special tokens, the `added` plain tokens, TRL's copy of `template`."
     import trl
-    from tokenizers import normalizers
+    from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -205,13 +207,16 @@ def build_tokenizer(cache: Path, specials: list[str], template: str):
             return qwen_ranks(Path(path))
 
     backend = QwenConverter(vocab_file=str(ranks_file), pattern=QWEN_PATTERN,
-                            extra_special_tokens=specials).converted()
+                            extra_special_tokens=QWEN_SPECIAL).converted()
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     backend.normalizer = normalizers.NFC()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         bos_token=None, unk_token=None, model_max_length=131072)
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    if ids != PROBE_IDS or tokenizer.decode(PROBE_IDS) != PROBE_TEXT:
+    expected_size = 151643 + len(QWEN_SPECIAL) + len(added)
+    if ids != PROBE_IDS or tokenizer.decode(PROBE_IDS) != PROBE_TEXT or len(tokenizer) != expected_size \
+            or "<tool_call>" not in tokenizer.decode(PROBE_IDS, skip_special_tokens=True):
         raise SystemExit(f"the built tokenizer does not spell TRL's probe tool call as Qwen does: {ids}")
     return tokenizer
 
@@ -301,8 +306,8 @@ def build_cache(cache: Path, trl_repo: Path, rev: str) -> dict[str, str]:
     os.environ.update(env)
     missing = [r for r in MODELS if not (hub_folder(hub, r) / "config.json").exists()]
     if missing:
-        tokenizers = {"qwen3": build_tokenizer(cache, QWEN3_SPECIALS, "qwen3"),
-                      "qwen2_5": build_tokenizer(cache, QWEN_SPECIALS, "qwen2_5")}
+        tokenizers = {"qwen3": build_tokenizer(cache, QWEN3_ADDED, "qwen3"),
+                      "qwen2_5": build_tokenizer(cache, QWEN2_5_ADDED, "qwen2_5")}
         for repo_id in missing:
             print(f"trl_suite: building {repo_id}", flush=True)
             build_model(hub, repo_id, tokenizers)
