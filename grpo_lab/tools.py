@@ -363,13 +363,16 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
     full = tokenizer.apply_chat_template(before + tool_messages, chat_template=chat_template, tokenize=True,
                                          return_dict=False, add_generation_prompt=True, **kwargs)
     eos = set(eos_token_ids or [tokenizer.eos_token_id])
-    ends = [i for i, t in enumerate(prefix) if t in eos]
-    prefix = prefix[: ends[-1] + 1] if ends else prefix      # the model's turn ends at its EOS; the rest is the suffix
-    if full[: len(prefix)] != prefix:
-        raise ToolError("the chat template renders an assistant turn differently once tool messages follow it, so "
-                        "tool results cannot be appended to the model's tokens; use a prefix-preserving template "
-                        "(grpo_lab.tools.CHATML_TOOLS_TEMPLATE is one).")
-    return full[len(prefix):]
+    turn_ends = [i for i, t in enumerate(prefix) if t in eos]             # the last one ends the model's turn
+    full_ends = [i for i, t in enumerate(full) if t in eos]
+    earlier = prefix[: turn_ends[-2] + 1] if len(turn_ends) > 1 else []    # the turns before the model's
+    # Only the earlier turns must render alike: the model's turn is its own sampled tokens, and some templates
+    # (Qwen3's: an empty <think> block on the last assistant turn only) render it differently once tools follow.
+    if not turn_ends or len(full_ends) < len(turn_ends) or full[: len(earlier)] != earlier:
+        raise ToolError("the chat template renders the conversation differently once tool messages follow the "
+                        "model's turn, so tool results cannot be appended to the model's tokens; use a "
+                        "prefix-preserving template (grpo_lab.tools.CHATML_TOOLS_TEMPLATE is one).")
+    return full[full_ends[len(turn_ends) - 1] + 1:]
 
 # %% ../nbs/06e_tools.ipynb
 class ToolLoopEngine(RolloutEngine):
