@@ -537,25 +537,25 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
 @dataclass
 class LossSettings:
     "`grpo_loss`'s settings that stay fixed for a run (its keyword names), built once from a `GRPOConfig`."
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    loss_type: str = "grpo"
-    max_completion_length: int | None = None
-    importance_sampling_level: str = "token"
-    kl_bias_correction: bool = True
-    delta: float | None = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    top_entropy_quantile: float = 1.0
-    off_policy_mask_threshold: float | None = None
-    gradient_accumulation_steps: int = 1
-    num_processes: int = 1
-    steps_per_generation: int | None = None
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
+    loss_type: str
+    max_completion_length: int | None
+    importance_sampling_level: str
+    kl_bias_correction: bool
+    delta: float | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+    top_entropy_quantile: float
+    off_policy_mask_threshold: float | None
+    gradient_accumulation_steps: int
+    num_processes: int
+    steps_per_generation: int | None
 
     @classmethod
     def from_config(cls, args, num_processes: int = 1, steps_per_generation: int | None = None) -> LossSettings:

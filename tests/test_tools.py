@@ -320,7 +320,7 @@ def script(trainer, tokenizer, turns):
     return policy
 
 
-def test_trainer_with_tools_logs_trl_metrics_and_masks_tool_tokens(smollm2, tokenizer, tmp_path):
+def test_trainer_with_tools_logs_trl_metrics_and_masks_tool_tokens(smollm2, tokenizer, tmp_path, monkeypatch):
     from datasets import Dataset
     from grpo_lab import GRPOTrainer
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "ROW-A"}], "answer": 12}])
@@ -330,7 +330,9 @@ def test_trainer_with_tools_logs_trl_metrics_and_masks_tool_tokens(smollm2, toke
                                                    "I don't know any tool", "12", "no"]})
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     seen = []
-    trainer._add_logps = lambda rollout, _orig=trainer._add_logps: (seen.append(rollout), _orig(rollout))[1]
+    import grpo_lab.trainer as trainer_module
+    real_add_logps = trainer_module._add_logps
+    monkeypatch.setattr(trainer_module, "_add_logps", lambda t, rollout: (seen.append(rollout), real_add_logps(t, rollout))[1])
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == pytest.approx(2 / 3) and log["tools/failure_frequency"] == pytest.approx(0.5)

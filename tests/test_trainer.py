@@ -13,6 +13,7 @@ from grpo_lab.data import arithmetic_task
 from grpo_lab.models import tiny_model_path
 from grpo_lab.rewards import RewardFunctionError, exact_answer
 from grpo_lab.rollout import generation_rows
+import grpo_lab.trainer as tr
 from grpo_lab.trainer import NonFiniteLossError, TrainingInterrupted
 
 TINY = str(tiny_model_path())
@@ -331,7 +332,7 @@ def test_prompts_longer_than_the_models_context_are_refused_before_training(tmp_
 
 
 def test_completions_that_cannot_fit_are_announced_once_and_capped(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="grpo_lab.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.parts"):
         trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_completion_length=512),
                               train_dataset=arithmetic_task(16))
     assert sum("max_completion_length=512 does not fit" in r.message for r in caplog.records) == 1
@@ -508,10 +509,10 @@ def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypa
     real = rollout_module.prefill_once_per_prompt
     monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
-    shared = trainer._completions(rows, group).completion_ids
+    shared = tr._completions(trainer, rows, group).completion_ids
     monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: None)
     torch.manual_seed(0)
-    plain = trainer._completions(rows, group).completion_ids
+    plain = tr._completions(trainer, rows, group).completion_ids
     assert calls and torch.equal(shared, plain)
 
 
@@ -544,7 +545,7 @@ def test_generate_renders_and_tokenizes_each_prompt_once(tmp_path, monkeypatch):
     tokenized, tok = [], trainer.processing_class
     real_call = type(tok).__call__
     monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: tokenized.append(text) or real_call(self, text, *a, **k))
-    out = trainer._completions(rows, group)
+    out = tr._completions(trainer, rows, group)
     texts, p_ids, p_mask = out.prompt_texts, out.prompt_ids, out.prompt_mask
     assert len(rendered) == 2 and len(tokenized) == 2
     assert texts == [real_render(r["prompt"], tok) for r in rows] and p_ids.size(0) == 8
@@ -666,7 +667,7 @@ def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path)
     from grpo_lab.rollout import generation_chunks
     data = arithmetic_task(16, seed=3)
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=data.with_format("numpy"))
-    batches = [rows for rows, _ in trainer._epoch_chunks(epoch=1, start=0)]
+    batches = [rows for rows, _ in tr._epoch_chunks(trainer, epoch=1, start=0)]
     chunks = generation_chunks(len(data), trainer.plan.unique_prompts_per_generation, 42, 1, shuffle=True)
     assert batches == [data.select(c).to_list() for c in chunks]
     assert all(type(row["answer"]) is str and type(row["prompt"]) is str for rows in batches for row in rows)
