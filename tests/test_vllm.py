@@ -354,8 +354,8 @@ def _train(folder, output_dir, seen, steps=2, mode="colocate", **server):
 
 @needs_vllm
 def test_training_through_colocate_pushes_weights_and_repeats(smollm2_folder, tmp_path):
-    "A TRL script (import changed) trains 2 LoRA steps through the colocated engine: the weights pushed after the first
-    optimizer step, IS metrics logged, a seeded rerun equal."
+    """A TRL script (import changed) trains 2 LoRA steps through the colocated engine: the weights pushed after the
+    first optimizer step, IS metrics logged, a seeded rerun equal."""
     import gc
     seen_a, seen_b = [], []
     a = _train(smollm2_folder, tmp_path / "a", seen_a)
