@@ -122,9 +122,12 @@ def main(argv=None):
     try:
         trainer.train()
     finally:
-        if server is not None:
+        if server is not None:                     # SIGINT, then kill: the figures never wait on the server's exit
             server.send_signal(signal.SIGINT)
-            server.wait(timeout=60)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
     steps = phases.steps[1:]
     median = lambda key: round(statistics.median(s.get(key, 0.0) for s in steps), 3)
     result = {"trainer": a.trainer, "use_vllm": a.use_vllm, "vllm_mode": a.vllm_mode if a.use_vllm else None,
