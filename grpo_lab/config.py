@@ -127,6 +127,7 @@ class GRPOConfig(TrainingArguments):
     lora_alpha: int | None = None
     lora_dropout: float = 0.0
     target_modules: str | list[str] = "all-linear"
+    vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None

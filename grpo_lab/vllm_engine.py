@@ -123,6 +123,11 @@ def check_vllm_config(args) -> None:
     refuse(0 < args.vllm_gpu_memory_utilization <= 1,
            f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} must be in (0, 1].")
     refuse(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be positive (seconds).")
+    refuse(args.vllm_dtype in (None, "float32", "bfloat16", "float16"),
+           f"vllm_dtype={args.vllm_dtype!r}: choose 'float32', 'bfloat16' or 'float16', or None (the policy's dtype).")
+    refuse(args.vllm_dtype is None or args.vllm_mode == "colocate",
+           f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a server runs in the dtype it was "
+           "started with: pass it to `grpo-lab vllm-serve --dtype` and leave vllm_dtype=None.")
     _check_is_clip(args)
     _check_model_length(args)
 
@@ -557,6 +562,7 @@ def vllm_engine_from_config(args, policy, tokenizer, device=None) -> RolloutEngi
         return VLLMServerEngine(policy, tokenizer, base_url=args.vllm_server_base_url, host=args.vllm_server_host,
                                 port=args.vllm_server_port, timeout=args.vllm_server_timeout,
                                 structured_outputs_regex=args.vllm_structured_outputs_regex, device=device)
-    return VLLMColocateEngine(policy, tokenizer, max_model_len=args.vllm_max_model_length, seed=args.seed,
-                              gpu_memory_utilization=args.vllm_gpu_memory_utilization, model_impl=args.vllm_model_impl,
-                              structured_outputs_regex=args.vllm_structured_outputs_regex, device=device)
+    return VLLMColocateEngine(policy, tokenizer, dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_length,
+                              seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                              model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
+                              device=device)

