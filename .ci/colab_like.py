@@ -4,6 +4,9 @@
     python .ci/colab_like.py tutorials/ 07_widgets    # only notebooks whose path under nbs/ starts so
     python .ci/colab_like.py --venv .cache/colab-venv # keep the environment between runs (made again when
                                                       # settings.ini's requirements change)
+    OMP_NUM_THREADS=1 python .ci/colab_like.py        # on a shared machine: at load 10+ on 2 cores, torch's two
+                                                      # OpenMP threads stall each other (tutorial 1: 467 s on one
+                                                      # thread, past 2,400 s on two, at load 12-14)
 
 What it does:
 1. makes a Python 3.12 virtual environment (`--python`, default pyenv's 3.12.1) and installs torch==2.13.0 (the CPU
