@@ -41,9 +41,9 @@ def column_names(dataset) -> list[str]:
 # %% ../nbs/06f_scoring.ipynb
 @dataclass
 class RewardSources:
-    "What a run scores with: the callables, their weights (None: all 1) and the names they are logged under."
+    "What a run scores with: the callables, their float32 weights (one each) and the names they are logged under."
     funcs: list
-    weights: list[float] | None
+    weights: torch.Tensor
     names: list[str]
 
 
@@ -81,7 +81,8 @@ def load_rewards(reward_funcs, reward_processing_classes, args, device, engine, 
     if not funcs:
         raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                          "environment defines a `get_reward` method.")
-    return RewardSources(funcs, weights, reward_names(funcs))
+    weights = torch.tensor(weights if weights is not None else [1.0] * len(funcs), dtype=torch.float32)
+    return RewardSources(funcs, weights, reward_names(funcs))      # weights as TRL keeps them: a tensor
 
 # %% ../nbs/06f_scoring.ipynb
 def column_values(rows: list[dict], exclude=("prompt",)) -> dict:

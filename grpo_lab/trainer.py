@@ -134,6 +134,7 @@ def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_
     rewards = load_rewards(reward_funcs, reward_processing_classes, args, trainer.accelerator.device, trainer.engine,
                            trainer.train_dataset)
     trainer.reward_funcs, trainer.reward_weights, trainer.reward_names = rewards.funcs, rewards.weights, rewards.names
+    trainer.reward_func_names = rewards.names         # TRL's name for them
     trainer.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None
                                          for f in rewards.funcs]
     trainer._logs = completion_logs(trainer.plan.generation_batch_size)
