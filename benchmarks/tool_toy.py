@@ -29,17 +29,37 @@ def well_formed_call(completions, **kwargs) -> list[float]:
             for c in completions]
 
 
-def held_out_stats(model, tokenizer, problems, max_new_tokens: int, batch: int = 8) -> dict:
-    "Tool-use figures of `model` on `problems`, one rollout each (temperature 1, one round of calls)."
-    engine = ToolLoopEngine(tokenizer, tools=[multiply], max_tool_calling_iterations=1)
+def switched_off(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    raise RuntimeError("the calculator is switched off; answer without it")
+
+switched_off.__name__ = "multiply"      # the same tool as the model sees it, answering every call with an error
+
+
+def rollouts(model, tokenizer, problems, max_new_tokens: int, tool=multiply, batch: int = 16) -> list[list[dict]]:
+    "One rollout per problem (temperature 1, one round of calls): each rollout's messages."
+    engine = ToolLoopEngine(tokenizer, tools=[tool], max_tool_calling_iterations=1)
     settings = SamplingSettings(max_new_tokens=max_new_tokens, eos_token_ids=[tokenizer.eos_token_id],
                                 pad_token_id=tokenizer.pad_token_id)
     messages = []
     for i in range(0, len(problems), batch):
         rows = problems[i:i + batch]
         messages += engine.generate(rows, torch.arange(len(rows)), model, settings, 0).extra["completion_messages"]
-    return {**tool_use_stats(messages, [r["answer"] for r in problems]),
-            "sample": [final_answer(m) for m in messages[:2]]}
+    return messages
+
+
+def held_out_stats(model, tokenizer, problems, max_new_tokens: int) -> dict:
+    "Tool-use figures on `problems`, and the accuracy when the calculator answers every call with an error."
+    answers = [r["answer"] for r in problems]
+    messages = rollouts(model, tokenizer, problems, max_new_tokens)
+    off = rollouts(model, tokenizer, problems, max_new_tokens, tool=switched_off)
+    return {**tool_use_stats(messages, answers), "accuracy_tool_off": product_reward(off, answers).count(1.0) / len(off),
+            "sample": messages[0]}
 
 
 def warm_start(model, tokenizer, problems, steps: int, batch: int = 4, learning_rate: float = 1e-4) -> list[float]:
@@ -109,7 +129,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=0, help="GRPO steps (0: measure only)")
     p.add_argument("--train", type=int, default=64, help="training problems")
     p.add_argument("--eval", type=int, default=32, help="held-out problems")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--call-bonus", action="store_true", help="add 0.5 for a rollout whose calls ran")
     p.add_argument("--warm-start", type=int, default=0, help="supervised steps on ideal transcripts before GRPO")
     a = p.parse_args(argv)

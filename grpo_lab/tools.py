@@ -13,6 +13,7 @@ import json
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -411,6 +412,18 @@ class _Rollout:
 
 
 @patch
+def warn_no_room(self: ToolLoopEngine, used: int, suffix: int, budget: int):
+    "Say once per engine that a tool's result was dropped for want of room: such a rollout ends on its call, unanswered."
+    if getattr(self, "_warned_no_room", False):
+        return
+    self._warned_no_room = True
+    warnings.warn(f"a rollout's tool result ({suffix} tokens) did not fit after its {used} tokens in "
+                  f"max_completion_length={budget}: the rollout ends on its call, with no result and no answer, and "
+                  "scores as if it had not answered (the call still counts in tools/call_frequency, as in TRL). Raise "
+                  "max_completion_length to hold a call, its result and an answer.", stacklevel=2)
+
+
+@patch
 def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], settings: SamplingSettings,
                  may_call: bool = True) -> bool:
     "Record the model's new turn; if it calls tools (and may) and there is room, append their results. True: sample again."
@@ -427,6 +440,7 @@ def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], setting
     suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, settings.chat_template_kwargs,
                              settings.eos_token_ids)
     if len(rollout.completion_ids) + len(suffix) >= settings.max_new_tokens:
+        self.warn_no_room(len(rollout.completion_ids), len(suffix), settings.max_new_tokens)
         return False                     # no room left to read the results and answer: the rollout ends here
     rollout.add(suffix, sampled=False)
     rollout.messages += messages
