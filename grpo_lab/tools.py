@@ -13,6 +13,7 @@ import json
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,7 +32,8 @@ __all__ = ['CHATML_TOOLS_TEMPLATE', 'WORKED_EXAMPLE', 'ROLLOUT_FUNC_KEYS', 'Tool
            'supports_tools', 'tool_chat_template', 'ToolCall', 'parse_tool_calls', 'run_tool', 'answer_call',
            'environment_methods', 'EnvironmentPool', 'reset_prompt', 'pad_right', 'continue_sequences',
            'tool_suffix_ids', 'ToolLoopEngine', 'multiplication_problems', 'final_answer', 'last_number',
-           'product_reward', 'tool_use_stats', 'check_rollout_output', 'RolloutFuncEngine']
+           'product_reward', 'tool_use_stats', 'ideal_transcript', 'warm_start', 'switched_off', 'sample_rollouts',
+           'held_out_stats', 'check_rollout_output', 'RolloutFuncEngine']
 
 # %% ../nbs/06e_tools.ipynb
 class ToolError(ValueError):
@@ -414,6 +416,18 @@ class _Rollout:
 
 
 @patch
+def warn_no_room(self: ToolLoopEngine, used: int, suffix: int, budget: int):
+    "Say once per engine that a tool's result was dropped for want of room: such a rollout ends on its call, unanswered."
+    if getattr(self, "_warned_no_room", False):
+        return
+    self._warned_no_room = True
+    warnings.warn(f"a rollout's tool result ({suffix} tokens) did not fit after its {used} tokens in "
+                  f"max_completion_length={budget}: the rollout ends on its call, with no result and no answer, and "
+                  "scores as if it had not answered (the call still counts in tools/call_frequency, as in TRL). Raise "
+                  "max_completion_length to hold a call, its result and an answer.", stacklevel=2)
+
+
+@patch
 def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], settings: SamplingSettings,
                  may_call: bool = True) -> bool:
     "Record the model's new turn; if it calls tools (and may) and there is room, append their results. True: sample again."
@@ -430,6 +444,7 @@ def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], setting
     suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, settings.chat_template_kwargs,
                              settings.eos_token_ids)
     if len(rollout.completion_ids) + len(suffix) >= settings.max_new_tokens:
+        self.warn_no_room(len(rollout.completion_ids), len(suffix), settings.max_new_tokens)
         return False                     # no room left to read the results and answer: the rollout ends here
     rollout.add(suffix, sampled=False)
     rollout.messages += messages
@@ -560,6 +575,71 @@ def tool_use_stats(completion_messages: list[list[dict]], answers: list[int]) ->
             "accuracy": sum(correct) / len(correct),
             "accuracy_with_tool": sum(with_tool) / len(with_tool) if with_tool else 0.0,
             "accuracy_without_tool": sum(without) / len(without) if without else 0.0}
+
+# %% ../nbs/06e_tools.ipynb
+def ideal_transcript(tokenizer, row: dict, engine: ToolLoopEngine) -> tuple[list[int], list[int]]:
+    "Token ids of a perfect rollout of a multiplication `row` (call, result, answer) and its labels (-100: not trained)."
+    prompt = tokenizer(engine.render(row["prompt"], engine.tools, SamplingSettings()), add_special_tokens=False)
+    call = tokenizer('<tool_call>\n{"name": "multiply", "arguments": {"a": %d, "b": %d}}\n</tool_call><|im_end|>'
+                     % (row["a"], row["b"]), add_special_tokens=False)["input_ids"]
+    result = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "multiply", "content": str(row["answer"])}],
+                             engine.chat_template)
+    answer = tokenizer(f"{row['a']} times {row['b']} is {row['answer']}.<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = prompt["input_ids"] + call + result + answer
+    return ids, [-100] * len(prompt["input_ids"]) + call + [-100] * len(result) + answer
+
+
+def warm_start(model, tokenizer, rows: list[dict], steps: int, batch: int = 4, learning_rate: float = 1e-4) -> list[float]:
+    "`steps` supervised AdamW steps on ideal transcripts of `rows` (tool tokens untrained); the losses."
+    engine = ToolLoopEngine(tokenizer, tools=[multiply])
+    examples = [ideal_transcript(tokenizer, row, engine) for row in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    model.train()
+    losses = []
+    for step in range(steps):
+        chunk = [examples[(step * batch + i) % len(examples)] for i in range(batch)]
+        input_ids = pad_right([ids for ids, _ in chunk], tokenizer.pad_token_id)
+        labels = pad_right([labels for _, labels in chunk], -100)
+        mask = pad_right([[1] * len(ids) for ids, _ in chunk], 0)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 3))
+    return losses
+
+# %% ../nbs/06e_tools.ipynb
+def switched_off(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    raise RuntimeError("the calculator is switched off; answer without it")
+
+switched_off.__name__ = "multiply"      # the model sees the same tool; every call is answered with an error
+
+
+def sample_rollouts(model, tokenizer, rows: list[dict], max_new_tokens: int, tool: Callable = multiply,
+                    batch: int = 16) -> list[list[dict]]:
+    "One rollout per row (temperature 1, one round of calls), as each rollout's messages."
+    engine = ToolLoopEngine(tokenizer, tools=[tool], max_tool_calling_iterations=1)
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, eos_token_ids=[tokenizer.eos_token_id],
+                                pad_token_id=tokenizer.pad_token_id)
+    messages = []
+    for start in range(0, len(rows), batch):
+        chunk = rows[start:start + batch]
+        messages += engine.generate(chunk, torch.arange(len(chunk)), model, settings, 0).extra["completion_messages"]
+    return messages
+
+
+def held_out_stats(model, tokenizer, rows: list[dict], max_new_tokens: int = 96) -> dict:
+    "`tool_use_stats` of one rollout per row, plus the accuracy with the calculator switched off."
+    answers = [row["answer"] for row in rows]
+    messages = sample_rollouts(model, tokenizer, rows, max_new_tokens)
+    off = sample_rollouts(model, tokenizer, rows, max_new_tokens, tool=switched_off)
+    return {**tool_use_stats(messages, answers), "accuracy_tool_off": sum(product_reward(off, answers)) / len(rows)}
 
 # %% ../nbs/06e_tools.ipynb
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")

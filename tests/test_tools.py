@@ -7,6 +7,7 @@ runs the loop on the real SmolLM2 and checks what must hold whatever it samples.
 import asyncio
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -112,6 +113,25 @@ def test_without_a_limit_the_completion_length_ends_the_loop(tokenizer):
                                                                settings_for(tokenizer, 160), 0)
     assert out.completion_mask.sum() <= 160 and len(policy.calls) < 50
     assert out.tool_mask[0, -1] == 1          # it ends on the model's own turn, never on an inserted result
+
+
+def test_a_result_without_room_is_dropped_with_a_warning(tokenizer):
+    "The toy's old trap: at max_completion_length=64 a 37-token call leaves no room for its result or an answer."
+    problem = multiplication_problems(1, seed=0)[0]
+    turn = call("multiply", a=problem["a"], b=problem["b"])
+    answer = f"{problem['a']} times {problem['b']} is {problem['answer']}."
+    outcomes = {}
+    for budget in (64, 128):
+        policy = ScriptedPolicy(tokenizer, {"What is": [turn, answer]})
+        engine = ToolLoopEngine(tokenizer, tools=[multiply], max_tool_calling_iterations=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = engine.generate([problem], torch.zeros(1, dtype=torch.long), policy, settings_for(tokenizer, budget), 0)
+        messages = out.extra["completion_messages"]
+        outcomes[budget] = ([m["role"] for m in messages[0]], product_reward(messages, [problem["answer"]])[0],
+                            any("did not fit" in str(w.message) for w in caught))
+    assert outcomes[64] == (["assistant"], 0.0, True)          # the call counts, but no result and no answer
+    assert outcomes[128] == (["assistant", "tool", "assistant"], 1.0, False)
 
 
 def test_malformed_hung_and_unknown_calls_are_failures_answered_in_words(tokenizer):
