@@ -117,8 +117,10 @@ def main(argv=None):
                           task_type="CAUSAL_LM")
         trainer = GRPOTrainer(str(model), numeric_answer, args=GRPOConfig(**common, use_cpu=True),
                               train_dataset=train_set, callbacks=[Clock()], peft_config=lora)
+    import grpo_lab.trainer as lab_trainer        # grpo-lab's stages are plain functions of the trainer module
+    owner = lab_trainer if a.trainer == "grpo-lab" else trainer
     for phase, name in PHASES[a.trainer].items():
-        setattr(trainer, name, phases.wrap(phase, getattr(trainer, name)))
+        setattr(owner, name, phases.wrap(phase, getattr(owner, name)))
     try:
         trainer.train()
     finally:

@@ -214,11 +214,13 @@ _METHODS = {"grpo-lab": {"generation": ["_completions"], "scoring": ["_score"], 
 
 
 def instrument(trainer, kind: str, timer: PhaseTimer):
-    "Wrap `trainer`'s phase methods (and its accelerator's backward) with `timer`; add the step callback."
+    "Wrap the phase functions (grpo-lab: the trainer module's stages; TRL: its trainer's methods) and the backward."
     from transformers import TrainerCallback
+    import grpo_lab.trainer as lab_trainer           # grpo-lab's stages are plain functions of the trainer module
+    owner = lab_trainer if kind == "grpo-lab" else trainer
     for phase, names in _METHODS[kind].items():
         for name in names:
-            setattr(trainer, name, timer.wrap(phase, getattr(trainer, name)))
+            setattr(owner, name, timer.wrap(phase, getattr(owner, name)))
     trainer.accelerator.backward = timer.wrap("backward", trainer.accelerator.backward)
 
     class StepTimes(TrainerCallback):
