@@ -19,6 +19,7 @@ peft = pytest.importorskip("peft")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import grpo_lab.trainer as lab_trainer  # noqa: E402
 from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_lab.loss import completion_logps  # noqa: E402
 from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine, generation_rows  # noqa: E402
@@ -98,7 +99,7 @@ def lab(lora_model, tmp_path_factory):
     for name, engine in (("generate", GenerateEngine(tokenizer)), ("shared prefill", SharedPrefillEngine(tokenizer))):
         trainer.engine = engine
         torch.manual_seed(SEED)
-        out = trainer._completions(rows, group)
+        out = lab_trainer._completions(trainer, rows, group)      # the trainer's one call to its engine
         ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
         mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
         with torch.no_grad():        # the log-probs the loss uses: the trainer's own function, at the trainer's T
