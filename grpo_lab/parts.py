@@ -29,9 +29,10 @@ from .models import load_policy
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'check_output_dir', 'eval_sets', 'configure_for_streaming', 'environment_placeholder_dataset',
-           'warn_length_weighted_sequences', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process',
-           'completion_room', 'Callbacks', 'make_callbacks']
+__all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
+           'environment_placeholder_dataset', 'routing_dataset', 'warn_length_weighted_sequences',
+           'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process', 'completion_room', 'Callbacks',
+           'make_callbacks']
 
 # %% ../nbs/06h_parts.ipynb
 def check_output_dir(output_dir) -> None:
@@ -87,7 +88,19 @@ def environment_placeholder_dataset(args, environment_factory):
                          "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
                          "length. Set it via `GRPOConfig(max_steps=...)`.")
     rows = plan_for(args, PartialState().num_processes, None).unique_prompts_per_generation
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows})
+
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]      # a row's prompt when only an environment's reset() writes it
+
+
+def routing_dataset(dataset):
+    "A dataset without `prompt` given with environments (e.g. only an `environment` column): kept as it is (TRL)."
+    if len(dataset) == 0:
+        raise ValueError("train_dataset has no rows; with an environment_factory it needs one row per rollout "
+                         "(e.g. an `environment` column naming each row's environment), or pass no dataset and set "
+                         "max_steps.")
+    return dataset
 
 # %% ../nbs/06h_parts.ipynb
 def warn_length_weighted_sequences(args) -> None:
@@ -165,7 +178,8 @@ def completion_room(args, model, tokenizer, dataset, streaming: bool) -> int:
     if not context:
         return args.max_completion_length
     kwargs = as_dict(args.chat_template_kwargs)
-    prompts = [r["prompt"] for r in islice(dataset, STREAM_CHECK_ROWS)] if streaming else dataset["prompt"]
+    prompts = [r.get("prompt", EMPTY_PROMPT) for r in islice(dataset, STREAM_CHECK_ROWS)] if streaming \
+        else dataset["prompt"] if "prompt" in dataset.column_names else [EMPTY_PROMPT]
     lengths = prompt_token_lengths(prompts, tokenizer, chat_template_kwargs=kwargs)
     longest = max(lengths) if args.max_prompt_length is None else min(max(lengths), args.max_prompt_length)
     if longest >= context:

@@ -307,6 +307,7 @@ class Rollout:
     group: torch.Tensor | None = None           # (B,) the group of each row
     tool_mask: torch.Tensor | None = None       # (B, T) 0 on tokens an engine inserted (tool results)
     sampling_logps: torch.Tensor | None = None  # (B, T) the engine's own log-probs of its samples
+    rows: list = field(default_factory=list)    # (B) the dataset rows the completions answer (not checkpointed)
 
     def __len__(self):
         return self.prompt_ids.size(0)
@@ -322,8 +323,10 @@ class Rollout:
         return dataclasses.replace(self, **picked)
 
     def tensors(self) -> dict:
-        "The rollout as plain tensors and numbers, for a checkpoint that loads without pickle."
-        return dataclasses.asdict(self)
+        "The rollout as plain tensors and numbers, for a checkpoint that loads without pickle (dataset rows left out)."
+        saved = dataclasses.asdict(dataclasses.replace(self, rows=[]))
+        del saved["rows"]
+        return saved
 
 
 _PER_ROW = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_logps", "ref_logps",

@@ -104,6 +104,7 @@ def model_tokens(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) 
 class Scored:
     "A batch's completions as text and as the reward functions received them, all processes' rewards and the logs."
     decoded: list[str]
+    prompts: list                  # as the reward functions received them (after an environment's reset)
     completions: list
     rewards: torch.Tensor          # (N, F) float32, every process's rows
     logs: RewardLogs
@@ -116,17 +117,18 @@ def decode_and_score(reward_funcs: list, tokenizer, accelerator, rows: list[dict
     decoded = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
     columns = dict(out.extra)
     messages = columns.pop("completion_messages", None)      # a multi-turn engine's turns (assistant and tool)
-    completions = messages if messages is not None else [as_completion(t, r["prompt"]) for t, r in zip(decoded, rows)]
     scored = [{**r, **{k: v[i] for k, v in columns.items()}} for i, r in enumerate(rows)] if columns else rows
+    prompts = [r["prompt"] for r in scored]                  # an engine's `prompt` column (reset's text) wins
+    completions = messages if messages is not None else [as_completion(t, p) for t, p in zip(decoded, prompts)]
     logs = RewardLogs()
     try:
-        rewards = score(reward_funcs, [r["prompt"] for r in scored], completions, completion_ids=id_lists,
+        rewards = score(reward_funcs, prompts, completions, completion_ids=id_lists,
                         trainer_state=trainer_state, log_extra=logs.log_extra, log_metric=logs.log_metric,
                         **column_values(scored))
     except RewardFunctionError as e:
         raise RewardFunctionError(f"{e}\n{hint}".rstrip()) from e
     rewards = accelerator.gather(rewards.to(accelerator.device))
-    return Scored(decoded, completions, rewards.float().cpu(), logs)
+    return Scored(decoded, prompts, completions, rewards.float().cpu(), logs)
 
 # %% ../nbs/06f_scoring.ipynb
 def reward_metrics(stats: dict, names: list[str], logged: dict) -> dict:
@@ -144,11 +146,11 @@ def completion_logs(size: int) -> dict:
             "extra": defaultdict(recent)}
 
 
-def keep_logs(logs: dict, names: list[str], rows: list[dict], completions: list, rewards: torch.Tensor,
+def keep_logs(logs: dict, names: list[str], prompts: list, completions: list, rewards: torch.Tensor,
               adv: torch.Tensor, extra: dict):
     "Record the batch in the trainer's `_logs` (all processes' rows, as TRL keeps them)."
-    n = len(rows)
-    logs["prompt"].extend(gather_object([r["prompt"] for r in rows]))
+    n = len(prompts)
+    logs["prompt"].extend(gather_object(list(prompts)))
     logs["completion"].extend(gather_object(completions))
     for i, name in enumerate(names):
         logs["rewards"][name].extend(rewards[:, i].tolist())

@@ -182,10 +182,12 @@ def _read_call(body: str, closed: bool) -> ToolCall:
     return ToolCall(call["name"], arguments)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    "The text outside `<tool_call>` tags, and the calls between them (malformed ones carry an `error`)."
-    calls = [_read_call(m.group(1).strip(), m.group(0).endswith("</tool_call>")) for m in _CALL.finditer(text)]
-    return _CALL.sub("", text).strip(), calls
+def parse_tool_calls(text: str, keep_malformed: bool = False) -> tuple[str, list[ToolCall]]:
+    "The text outside `<tool_call>` tags (and malformed blocks, if kept), and the calls (malformed ones carry an `error`)."
+    read = lambda m: _read_call(m.group(1).strip(), m.group(0).endswith("</tool_call>"))
+    calls = [read(m) for m in _CALL.finditer(text)]
+    content = _CALL.sub(lambda m: m.group(0) if keep_malformed and read(m).error else "", text)
+    return content.strip(), calls
 
 # %% ../nbs/06e_tools.ipynb
 def _as_text(result) -> str:
@@ -381,8 +383,10 @@ class ToolLoopEngine(RolloutEngine):
     "Multi-turn rollouts: sample, run the tools the model calls, append their results, sample again."
 
     def __init__(self, tokenizer, tools: list[Callable] | None = None, environment_factory=None,
-                 max_tool_calling_iterations: int | None = None, tool_timeout: float = 30.0):
+                 max_tool_calling_iterations: int | None = None, tool_timeout: float = 30.0,
+                 answer_malformed: bool = False):
         self.tokenizer, self.tools = tokenizer, list(tools or [])
+        self.answer_malformed = answer_malformed   # False: a malformed call is text and ends the rollout (TRL)
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
             raise ToolError(f"max_tool_calling_iterations={max_tool_calling_iterations} must be >= 0 (rounds of tool "
                             "calls per rollout), or None for as many as max_completion_length leaves room for.")
@@ -391,6 +395,7 @@ class ToolLoopEngine(RolloutEngine):
         self.max_iterations = max_tool_calling_iterations
         self.tool_timeout = tool_timeout
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory)
+        self.last_environments = None       # each rollout's environment in the latest batch
         tool_schemas(self.tools)
         self.chat_template = tool_chat_template(tokenizer)
 
@@ -432,7 +437,10 @@ def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], setting
                  may_call: bool = True) -> bool:
     "Record the model's new turn; if it calls tools (and may) and there is room, append their results. True: sample again."
     rollout.add(ids, sampled=True)
-    content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True))
+    content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True),
+                                      keep_malformed=not self.answer_malformed)
+    if not self.answer_malformed:
+        calls = [c for c in calls if c.error is None]      # TRL: what does not parse is not a call
     rollout.messages.append({"role": "assistant", "content": content,
                              **({"tool_calls": [c.message() for c in calls if c.error is None]} if calls else {})})
     if not calls or not rollout.tools or not may_call:
@@ -484,8 +492,12 @@ def generate(self: ToolLoopEngine, rows: list[dict], group: torch.Tensor, policy
         active = [i for i, ids, budget in zip(active, new, budgets)
                   if self.answer_turn(rollouts[i], ids[:budget], settings, may_call)]
         rounds += 1
-    return self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings,
-                            next(policy.parameters()).device)
+    self.last_environments = environments if self.environments else None     # TRL's trainer.environments
+    out = self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings,
+                           next(policy.parameters()).device)
+    if self.environments:
+        out.extra["prompt"] = prompts            # reward functions see the prompt after reset(), as in TRL
+    return out
 
 # %% ../nbs/06e_tools.ipynb
 @patch
@@ -556,10 +568,11 @@ def product_reward(completions, answer, **kwargs) -> list[float]:
 
 # %% ../nbs/06e_tools.ipynb
 def _calls_of(messages: list[dict]) -> tuple[int, int]:
-    "Calls a rollout made and how many of them were well formed."
+    "Calls a rollout made (malformed ones, answered or left as text, included) and how many were well formed."
     tool_turns = [m for m in messages if m["role"] == "tool"]
-    malformed = sum(m["content"].startswith('{"error": "the tool call could not be read') for m in tool_turns)
-    return len(tool_turns), len(tool_turns) - malformed
+    answered = sum(m["content"].startswith('{"error": "the tool call could not be read') for m in tool_turns)
+    as_text = sum(len(_CALL.findall(m.get("content") or "")) for m in messages if m["role"] == "assistant")
+    return len(tool_turns) + as_text, len(tool_turns) - answered
 
 
 def tool_use_stats(completion_messages: list[list[dict]], answers: list[int]) -> dict:

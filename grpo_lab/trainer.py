@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 from accelerate import Accelerator
+from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import TrainerCallback, TrainerControl, TrainerState
@@ -31,10 +32,11 @@ from .config import GRPOConfig
 from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
-from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset,
+from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, routing_dataset,
                     eval_sets, load_model, make_callbacks, make_optimizer, seed_process, warn_length_weighted_sequences)
 from .rewards import RewardModel
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
+                      expand_groups, generation_chunks,
                       generation_rows, length_metrics, process_rows)
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
@@ -44,7 +46,7 @@ from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs', 'plot_history']
 
 # %% ../nbs/06_trainer.ipynb
 class TrainingInterrupted(KeyboardInterrupt):
@@ -77,6 +79,7 @@ class GRPOTrainer:
         check_output_dir(args.output_dir)
         # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
         self.train_dataset = environment_placeholder_dataset(args, environment_factory) if train_dataset is None \
+            else routing_dataset(train_dataset) if _routes_only(train_dataset, environment_factory) \
             else load_prompts(train_dataset)
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         eval_sets(eval_dataset)
@@ -94,6 +97,7 @@ class GRPOTrainer:
         model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
+        _name_tools(self, self.engine)
         _build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
         _build_update(self, model, optimizers)
         _build_bookkeeping(self, callbacks)
@@ -107,6 +111,11 @@ class GRPOTrainer:
     def entropy_coef(self) -> float:
         "The entropy bonus coefficient now (TRL's name): the adaptive controller's value, else `args.entropy_coef`."
         return self.entropy_control.coef if self.entropy_control is not None else self.args.entropy_coef
+
+    @property
+    def environments(self) -> list | None:
+        "The environment of each rollout of the latest generation batch (TRL's attribute); None before the first."
+        return getattr(self.engine, "last_environments", None)
 
     @property
     def global_step(self) -> int:
@@ -126,6 +135,21 @@ def _check_sources(reward_funcs, environment_factory) -> bool:
                          "folder or hub id), or a list of them; or an `environment_factory` whose environment "
                          "defines a `get_reward` method.")
     return no_rewards
+
+
+def _routes_only(dataset, environment_factory) -> bool:
+    "True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."
+    columns = getattr(dataset, "column_names", None)
+    return environment_factory is not None and columns is not None and "prompt" not in columns
+
+
+def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
+    "TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."
+    standalone = list(engine.tools) if isinstance(engine, ToolLoopEngine) else []
+    pool = engine.environments if isinstance(engine, ToolLoopEngine) else None
+    trainer.tools = standalone + [m for methods in (pool.tools.values() if pool else []) for m in methods]
+    trainer._env_tools = {name: standalone + methods for name, methods in pool.tools.items()} if pool else {}
+    trainer._environment_pool = pool.pool if pool else {}
 
 
 def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_classes):
@@ -251,14 +275,14 @@ def _generate_and_score(trainer: GRPOTrainer, rows: list[dict], group: torch.Ten
     out = _completions(trainer, rows, group)
     scored, adv, stats = _score(trainer, rows, out, trainer.args.num_generations)
     rollout = _as_rollout(trainer, out, adv)
-    rollout.sampling_logps = out.sampling_logps
+    rollout.sampling_logps, rollout.rows = out.sampling_logps, list(rows)
     seen = out.prompt_mask.sum() + model_tokens(rollout.completion_mask, out.tool_mask).sum()
     state.num_input_tokens_seen += int(acc.gather(seen.reshape(1)).sum().item())
     rollout.metrics = {"num_tokens": state.num_input_tokens_seen, **_length_metrics(acc, out),
                        **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **out.metrics}
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     rollout.samples = _samples(out.prompt_texts, scored, stats["rewards"][mine], adv[mine])
-    keep_logs(trainer._logs, trainer.reward_names, rows, scored.completions, scored.rewards, adv, scored.logs.extra)
+    keep_logs(trainer._logs, trainer.reward_names, scored.prompts, scored.completions, scored.rewards, adv, scored.logs.extra)
     _add_logps(trainer, rollout)
     return rollout
 
@@ -430,13 +454,15 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
     if start is None:                       # resumed at the run's last step
         return _already_finished(self)
     losses, stats, window, step_losses = [], [], [], []
+    stream = self.micro_steps(start, rollout)
     with _checkpoint_on_interrupt(self):
-        for step in self.micro_steps(start, rollout):
-            if not losses:
+        while True:
+            if not losses:                   # before the step's generation, as HF and TRL call it
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            loss, step_stats = _learn_from(self, step)
-            losses.append(loss)
-            stats.append(step_stats)
+            step = next(stream)
+            inputs = TrainingInputs(step.rollout.rows, step)
+            losses.append(self.training_step(self.model, inputs, step.rollout.num_items_in_batch).item())
+            stats.append(inputs.stats)
             if not step.sync:
                 self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
                 continue
@@ -460,6 +486,25 @@ def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
                                      f"were not updated. {_resume_hint(trainer._last_checkpoint)}")
         acc.backward(loss)
     return loss.item(), stats
+
+
+class TrainingInputs(list):
+    "A generation batch's dataset rows (as TRL's dataloader hands them to `training_step`) and the micro-step to learn."
+    def __init__(self, rows: list[dict], step: MicroStep):
+        super().__init__(rows)
+        self.step, self.stats = step, {}
+
+
+@patch
+def training_step(self: GRPOTrainer, model, inputs: TrainingInputs, num_items_in_batch: float | None = None
+                  ) -> torch.Tensor:
+    "The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; the loss."
+    if not isinstance(inputs, TrainingInputs):
+        raise TypeError(f"training_step got {type(inputs).__name__}: it takes the TrainingInputs that train() builds "
+                        "(the generation batch's rows and the micro-step); override it and call super(), or call "
+                        "trainer.train() rather than training_step directly.")
+    loss, inputs.stats = _learn_from(self, inputs.step)
+    return torch.tensor(loss)
 
 
 @contextlib.contextmanager
@@ -674,6 +719,59 @@ def _update_best_metric(trainer: GRPOTrainer, metrics: dict):
     if state.best_metric is None or better(metrics[key], state.best_metric):
         state.best_metric, state.best_global_step = metrics[key], state.global_step
         trainer._best_pending = True
+
+# %% ../nbs/06_trainer.ipynb
+class _StreamBatches(torch.utils.data.IterableDataset):
+    "A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."
+    def __init__(self, rows, prompts: int, G: int, accelerator):
+        self.rows, self.prompts, self.G, self.acc = rows, prompts, G, accelerator
+
+    def __iter__(self):
+        rows = iter(self.rows)
+        while chunk := list(islice(rows, self.prompts)):
+            yield generation_rows(chunk, self.G, self.acc.num_processes, self.acc.process_index)[0]
+
+
+def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, prompts: int, G: int) -> DataLoader:
+    "A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."
+    acc = trainer.accelerator
+    if isinstance(dataset, IterableDataset):     # one worker: several would each read the stream and split groups
+        return DataLoader(_StreamBatches(dataset, prompts, G, acc), batch_size=None, num_workers=0)
+    mine = lambda chunk: expand_groups(list(chunk), G)[process_rows(len(chunk) * G, acc.num_processes,
+                                                                      acc.process_index)]
+    plain = dataset.with_format(None) if dataset.format["type"] else dataset
+    return DataLoader(plain, batch_sampler=[mine(c) for c in chunks], collate_fn=list,
+                      num_workers=trainer.args.dataloader_num_workers)
+
+
+@patch
+def get_train_dataloader(self: GRPOTrainer) -> DataLoader:
+    "The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."
+    args, unique = self.args, self.plan.unique_prompts_per_generation
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    chunks = None if self.streaming else generation_chunks(len(self.train_dataset), unique, seed, int(self.state.epoch),
+                                                           shuffle=args.shuffle_dataset is not False)
+    return _row_loader(self, self.train_dataset, chunks, unique, args.num_generations)
+
+
+@patch
+def get_eval_dataloader(self: GRPOTrainer, eval_dataset=None) -> DataLoader:
+    "The evaluation rows in the batches `evaluate` scores; `eval_dataset` may name one set of a dict (HF's method)."
+    if isinstance(eval_dataset, str) or eval_dataset is None:
+        given = self.eval_dataset if eval_dataset is None else self.eval_dataset[eval_dataset]
+    else:
+        given = eval_dataset
+    sets = eval_sets(given)
+    if len(sets) != 1:
+        raise ValueError(f"get_eval_dataloader needs one evaluation set, and there are {len(sets)} "
+                         f"({sorted(n.rstrip('_') for n in sets) or 'none: pass eval_dataset'}): pass "
+                         "eval_dataset=<a dataset> or the name of one set.")
+    dataset = next(iter(sets.values()))
+    G = self.args.num_generations_eval or self.args.num_generations
+    prompts = max(1, self.args.per_device_eval_batch_size * self.accelerator.num_processes // G)
+    chunks = None if isinstance(dataset, IterableDataset) else \
+        [range(s, min(s + prompts, len(dataset))) for s in range(0, len(dataset), prompts)]
+    return _row_loader(self, dataset, chunks, prompts, G)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -147,7 +147,7 @@ def test_malformed_hung_and_unknown_calls_are_failures_answered_in_words(tokeniz
     policy = ScriptedPolicy(tokenizer, {"ROW-A": ['<tool_call>\n{"arguments": {a: 3}}\n</tool_call>', "ok"],
                                         "ROW-B": [call("hang", seconds=60), "ok"],
                                         "ROW-C": [call("divide", a=1, b=2), "ok"]})
-    engine = ToolLoopEngine(tokenizer, tools=[multiply, hang], tool_timeout=0.5)
+    engine = ToolLoopEngine(tokenizer, tools=[multiply, hang], tool_timeout=0.5, answer_malformed=True)
     start = time.perf_counter()
     out = engine.generate([ask("ROW-A"), ask("ROW-B"), ask("ROW-C")], torch.arange(3), policy, settings_for(tokenizer), 0)
     assert time.perf_counter() - start < 10
@@ -157,6 +157,21 @@ def test_malformed_hung_and_unknown_calls_are_failures_answered_in_words(tokeniz
     assert "did not answer within 0.5 s" in answers[1] and "no tool named 'divide'" in answers[2]
     stats = tool_use_stats(out.extra["completion_messages"], [0, 0, 0])
     assert stats["call_rate"] == 1.0 and stats["well_formed"] == pytest.approx(2 / 3)
+
+
+
+def test_a_malformed_call_is_text_that_ends_the_rollout_by_default_as_in_trl(tokenizer):
+    "TRL 1.16 parses no call from a malformed block: it stays in the turn's text, the rollout ends, no call is counted."
+    bad = '<tool_call>\n{"arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    policy = ScriptedPolicy(tokenizer, {"ROW-A": [bad, "never sampled"], "ROW-C": [call("multiply", a=3, b=4), "12"]})
+    out = ToolLoopEngine(tokenizer, tools=[multiply]).generate([ask("ROW-A"), ask("ROW-C")], torch.arange(2), policy,
+                                                               settings_for(tokenizer), 0)
+    messages = out.extra["completion_messages"]
+    assert [m["role"] for m in messages[0]] == ["assistant"] and bad in messages[0][0]["content"]
+    assert "tool_calls" not in messages[0][0]
+    assert [m["role"] for m in messages[1]] == ["assistant", "tool", "assistant"]
+    assert out.metrics == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}   # 1 call in 2 rollouts
+    assert tool_use_stats(messages, [12, 12])["well_formed"] == 0.5       # the text block still counts as a bad call
 
 
 def test_async_tools_run(tokenizer):
@@ -502,3 +517,39 @@ def test_tool_metrics_count_every_process_on_two_cpu_processes(smollm2, tmp_path
     for rank in ranks:
         assert rank["tools/call_frequency"] == pytest.approx(1 / 3) and rank["tools/failure_frequency"] == 0.5
         assert rank["reward"] == pytest.approx(1 / 6)
+
+
+def test_an_environment_routing_dataset_needs_no_prompt_column_and_rewards_see_resets_prompt(smollm2, tmp_path):
+    "TRL: with environments, rows may carry only `environment`; reset() writes the prompt the rewards receive."
+    from datasets import Dataset
+    from grpo_lab import GRPOConfig, GRPOTrainer
+
+    class Counter:
+        def reset(self, **kwargs):
+            assert "prompt" not in kwargs            # the placeholder prompt is not handed to reset
+            return "Count to three."
+
+        def count(self, n: int) -> str:
+            """Say a number.
+
+            Args:
+                n: The number.
+            """
+            return str(n)
+
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.extend(prompts)
+        return [0.0] * len(prompts)
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=1, report_to="none", disable_tqdm=True, save_strategy="no")
+    trainer = GRPOTrainer(str(smollm2), reward, args=args,
+                          train_dataset=Dataset.from_dict({"environment": ["counter"] * 4}),
+                          environment_factory={"counter": Counter})
+    assert trainer.environments is None and [t.__name__ for t in trainer.tools] == ["count"]
+    assert list(trainer._env_tools) == ["counter"] and len(trainer._environment_pool["counter"]) == 1
+    trainer.train()
+    assert seen and all(p == [{"role": "user", "content": "Count to three."}] for p in seen)
+    assert len(trainer.environments) == 4 and all(isinstance(e, Counter) for e in trainer.environments)

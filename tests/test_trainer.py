@@ -689,3 +689,63 @@ def test_callbacks_see_clipped_gradients_before_the_optimizer_step(tmp_path):
     logged = [h["grad_norm"] for h in trainer.history if "grad_norm" in h]
     assert len(norms) == 3 and max(norms) <= 1e-3 * 1.001, norms
     assert any(g > 1e-3 for g in logged), logged          # the logged norm is the one before clipping, as HF logs it
+
+
+def test_each_generation_falls_inside_its_steps_callbacks_as_in_hf_and_trl(tmp_path, monkeypatch):
+    "on_step_begin comes before the step's rollout is sampled, so a callback timing a step times its generation."
+    events = []
+    completions = tr._completions
+    monkeypatch.setattr(tr, "_completions", lambda *a, **k: events.append("generate") or completions(*a, **k))
+
+    class Order(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            events.append("begin")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append("end")
+
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=3, num_iterations=2),
+                          train_dataset=arithmetic_task(16), callbacks=[Order()])
+    trainer.train()
+    # mu=2: a rollout serves two steps, so the second step of each pair generates nothing
+    assert events == ["begin", "generate", "end", "begin", "end", "begin", "generate", "end"]
+
+
+def test_training_step_is_called_per_micro_batch_with_the_generation_batchs_rows(tmp_path, monkeypatch):
+    "HF's hook, as TRL calls it: once per micro-batch, with this process's rows (each prompt G times), the loss back."
+    calls = []
+    step = tr.GRPOTrainer.training_step
+
+    def spy(self, model, inputs, num_items_in_batch=None):
+        loss = step(self, model, inputs, num_items_in_batch)
+        calls.append(([r["prompt"] for r in inputs], loss))
+        return loss
+
+    monkeypatch.setattr(tr.GRPOTrainer, "training_step", spy)
+    args = small_args(tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      shuffle_dataset=False)
+    dataset = arithmetic_task(16)
+    trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=dataset)
+    trainer.train()
+    assert len(calls) == 4                                      # 2 steps x 2 micro-batches
+    first = [p for p in dataset["prompt"][:2] for _ in range(4)]   # 8 completions: 2 prompts x G=4, unshuffled
+    assert calls[0][0] == calls[1][0] == first and calls[2][0] == calls[3][0] != first
+    assert all(isinstance(loss, torch.Tensor) and not loss.requires_grad for _, loss in calls)
+    assert [h["loss"] for h in trainer.history] == pytest.approx([(calls[0][1] + calls[1][1]).item(),
+                                                              (calls[2][1] + calls[3][1]).item()])
+    with pytest.raises(TypeError, match="TrainingInputs"):
+        trainer.training_step(trainer.model, [{"prompt": "1+1="}])
+
+
+def test_dataloaders_yield_what_the_loop_reads_with_trls_worker_rule(tmp_path):
+    "get_train_dataloader: the loop's generation batches; an iterable eval set gets one worker, args unchanged."
+    args = small_args(tmp_path, max_steps=1, dataloader_num_workers=2)
+    trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(16),
+                          eval_dataset=arithmetic_task(4, seed=1).to_iterable_dataset())
+    train = trainer.get_train_dataloader()
+    assert train.num_workers == 2 and len(train) == 8       # 16 prompts / 2 per generation batch
+    rows, group = generation_rows(next(tr._epoch_chunks(trainer, 0, 0))[0], 4)
+    assert next(iter(train)) == rows
+    evaluation = trainer.get_eval_dataloader()
+    assert evaluation.num_workers == 0 and args.dataloader_num_workers == 2
+    assert sum(len(b) for b in evaluation) == 16             # 4 prompts x G=4

@@ -17,12 +17,7 @@ from conftest import ROOT
 TRL_REPO = Path(os.environ.get("TRL_REPO", "/work/.mirror/huggingface+trl/repo"))
 
 # TRL tests that fail against grpo-lab for a known reason (strict: a fix must move it out of this list).
-KNOWN_FAILURES = {
-    # TRL's attribute names: reward_func_names, reward_weights as a tensor (grpo-lab: reward_names, a list or None)
-    "TestGRPOTrainer::test_environment_owned_reward_coexists_with_reward_funcs",
-    # a routing dataset with only an `environment` column: grpo-lab asks for a 'prompt' column
-    "TestGRPOTrainer::test_environment_owned_reward_mixed_environments",
-}
+KNOWN_FAILURES: set[str] = set()      # none since TRL's names, routing datasets and tool attributes (issue 21)
 
 
 @pytest.mark.skipif(not (TRL_REPO / "HEAD").exists(), reason=f"no clone of TRL's repository at {TRL_REPO} "
