@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
-           'environment_placeholder_dataset', 'routing_dataset', 'warn_length_weighted_sequences',
+           'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
            'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process', 'completion_room', 'Callbacks',
            'make_callbacks']
 
@@ -101,6 +101,15 @@ def routing_dataset(dataset):
                          "(e.g. an `environment` column naming each row's environment), or pass no dataset and set "
                          "max_steps.")
     return dataset
+
+# %% ../nbs/06h_parts.ipynb
+def has_dropout(model) -> bool:
+    "True when a forward pass in training mode is random: a Dropout module or a dropout rate in the config above 0."
+    config = getattr(model, "config", None)
+    rates = [getattr(config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop",
+                                                  "attn_pdrop", "embd_pdrop", "hidden_dropout_prob")]
+    return any(isinstance(r, (int, float)) and r > 0 for r in rates) or \
+        any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 # %% ../nbs/06h_parts.ipynb
 def warn_length_weighted_sequences(args) -> None:

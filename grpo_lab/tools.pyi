@@ -69,8 +69,8 @@ def _read_call(body: str, closed: bool) -> ToolCall:
     """A `ToolCall` from the text between one pair of tags."""
     ...
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside `<tool_call>` tags, and the calls between them (malformed ones carry an `error`)."""
+def parse_tool_calls(text: str, keep_malformed: bool=False) -> tuple[str, list[ToolCall]]:
+    """The text outside `<tool_call>` tags (and malformed blocks, if kept), and the calls (malformed ones carry an `error`)."""
     ...
 
 def _as_text(result) -> str:
@@ -134,7 +134,7 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
 class ToolLoopEngine(RolloutEngine):
     """Multi-turn rollouts: sample, run the tools the model calls, append their results, sample again."""
 
-    def __init__(self, tokenizer, tools: list[Callable] | None=None, environment_factory=None, max_tool_calling_iterations: int | None=None, tool_timeout: float=30.0):
+    def __init__(self, tokenizer, tools: list[Callable] | None=None, environment_factory=None, max_tool_calling_iterations: int | None=None, tool_timeout: float=30.0, answer_malformed: bool=False):
         ...
 
     def tools_for(self, environment) -> list[Callable]:
@@ -193,7 +193,7 @@ def product_reward(completions, answer, **kwargs) -> list[float]:
     ...
 
 def _calls_of(messages: list[dict]) -> tuple[int, int]:
-    """Calls a rollout made and how many of them were well formed."""
+    """Calls a rollout made (malformed ones, answered or left as text, included) and how many were well formed."""
     ...
 
 def tool_use_stats(completion_messages: list[list[dict]], answers: list[int]) -> dict:

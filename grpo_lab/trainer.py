@@ -33,14 +33,15 @@ from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
 from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, routing_dataset,
-                    eval_sets, load_model, make_callbacks, make_optimizer, seed_process, warn_length_weighted_sequences)
+                    eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, seed_process,
+                    warn_length_weighted_sequences)
 from .rewards import RewardModel
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks,
                       generation_rows, length_metrics, process_rows)
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
-from .tools import RolloutFuncEngine, ToolLoopEngine
+from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class GRPOTrainer:
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)
+        self.rollout_func = rollout_func          # TRL's attribute (the engine calls it)
         _build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
         _build_update(self, model, optimizers)
         _build_bookkeeping(self, callbacks)
@@ -111,6 +113,14 @@ class GRPOTrainer:
     def entropy_coef(self) -> float:
         "The entropy bonus coefficient now (TRL's name): the adaptive controller's value, else `args.entropy_coef`."
         return self.entropy_control.coef if self.entropy_control is not None else self.args.entropy_coef
+
+    def _generate(self, prompts: list) -> tuple:
+        "TRL's private step for a `rollout_func`, for code that calls it: `(prompt_ids, completion_ids, env_mask, logprobs)`."
+        if getattr(self, "rollout_func", None) is None:
+            raise NotImplementedError("grpo-lab generates through trainer.engine (see make_engine); _generate only "
+                                      "serves a rollout_func, and this trainer has none.")
+        output = check_rollout_output(self.rollout_func(prompts, self), len(prompts))
+        return output["prompt_ids"], output["completion_ids"], output.get("env_mask"), output["logprobs"]
 
     @property
     def environments(self) -> list | None:
@@ -172,6 +182,7 @@ def _build_update(trainer: GRPOTrainer, model, optimizers):
     args, acc = trainer.args, trainer.accelerator
     trainer.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
     trainer.ref_model = make_reference(model, args.beta)
+    trainer.has_dropout = has_dropout(model)    # then the old log-probs cannot come from the loss's forward
     trainer.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
     trainer.entropy_window = EntropyWindow()
     total_steps = trainer.plan.total_optimizer_steps
@@ -299,10 +310,17 @@ def _corrects_sampler(args) -> bool:
     return args.use_vllm and args.vllm_importance_sampling_correction
 
 
-def _needs_old_logps(args, plan) -> bool:
-    "True when the policy moves between sampling and an update (mu > 1, or several steps per generation)."
-    return args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps \
-        or _corrects_sampler(args)
+def _needs_old_logps(trainer: GRPOTrainer) -> bool:
+    "True when the old log-probs need a forward pass of their own: the policy moves before an update, or has dropout."
+    args, plan = trainer.args, trainer.plan
+    moves = args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps
+    return moves or (_corrects_sampler(args) and trainer.has_dropout)
+
+
+def _old_from_loss(trainer: GRPOTrainer) -> bool:
+    "True when the IS correction's old log-probs are the loss forward's own, detached (grpo-lab's saving; TRL: extra pass)."
+    return _corrects_sampler(trainer.args) and not _needs_old_logps(trainer)
+
 
 
 def _sampler_weights(args, rollout: Rollout):
@@ -319,10 +337,10 @@ def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     k, bs = rollout.completion_ids.size(1), args.per_device_train_batch_size
-    if _needs_old_logps(args, trainer.plan):
+    if _needs_old_logps(trainer):
         rollout.old_logps, _ = completion_logps(trainer.model, input_ids, attention_mask, k,
                                                 temperature=args.temperature, batch_size=bs)
-    if _corrects_sampler(args) and rollout.sampling_logps is not None:
+    if _corrects_sampler(args) and rollout.sampling_logps is not None and rollout.old_logps is not None:
         rollout.metrics.update(_sampler_weights(args, rollout)[1])
     if args.beta > 0:
         rollout.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model,
@@ -362,8 +380,10 @@ def _micro_batch_loss(trainer: GRPOTrainer, mb: Rollout):
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if trainer.entropy_control is not None:
         trainer.entropy_window.add(entropies.detach(), mask, args.top_entropy_quantile, gathered)
-    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
     corrected = _corrects_sampler(args) and mb.sampling_logps is not None
+    if corrected and mb.old_logps is None:       # _old_from_loss: the policy has not moved since sampling
+        mb.old_logps = logps.detach()
+    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
     loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **trainer.loss_settings.kwargs(),
                             ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
                             entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=sampled_by,
@@ -442,7 +462,8 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
                 ends_epoch = after.epoch != pos.epoch
                 yield MicroStep(rollout.select(batches[pos.micro]), rollout,
                                 sync=(in_epoch + 1) % ga == 0 or ends_epoch, ends_epoch=ends_epoch, after=after,
-                                epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch)
+                                epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch,
+                                rows=batches[pos.micro])
                 pos = after
             rollout = None
 
@@ -481,11 +502,25 @@ def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
     acc.gradient_state._set_sync_gradients(step.sync)
     with acc.no_sync(trainer.model) if not step.sync else contextlib.nullcontext():
         loss, stats = _micro_batch_loss(trainer, step.batch)
+        _keep_old_logps(trainer, step)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"the loss at step {trainer.state.global_step + 1} is {loss.item()}; the weights "
                                      f"were not updated. {_resume_hint(trainer._last_checkpoint)}")
         acc.backward(loss)
     return loss.item(), stats
+
+
+def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
+    "With `_old_from_loss`, gather the micro-batches' old log-probs; once all are in, the batch's `sampling/*` metrics."
+    rollout, batch = step.rollout, step.batch
+    if not _old_from_loss(trainer) or rollout.sampling_logps is None or batch.old_logps is None or step.rows is None:
+        return
+    if not hasattr(rollout, "loss_old_logps"):  # beside rollout.old_logps, which later micro-batches must not read
+        rollout.loss_old_logps = torch.full_like(rollout.sampling_logps, math.nan)
+    rollout.loss_old_logps[step.rows] = batch.old_logps.to(rollout.loss_old_logps.dtype)
+    if not rollout.loss_old_logps.isnan().any():      # every micro-batch of the rollout has run
+        whole = dataclasses.replace(rollout, old_logps=rollout.loss_old_logps)
+        rollout.metrics.update(_sampler_weights(trainer.args, whole)[1])
 
 
 class TrainingInputs(list):

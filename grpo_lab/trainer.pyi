@@ -12,6 +12,7 @@ from typing import Iterator
 import numpy as np
 import torch
 from accelerate import Accelerator
+from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput, speed_metrics
@@ -23,15 +24,15 @@ from .config import GRPOConfig
 from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
-from .parts import check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, make_callbacks, make_optimizer, seed_process, warn_length_weighted_sequences
+from .parts import check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, routing_dataset, eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, seed_process, warn_length_weighted_sequences
 from .rewards import RewardModel
-from .rollout import Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length, generation_rows, length_metrics, process_rows
+from .rollout import Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
-from .tools import RolloutFuncEngine, ToolLoopEngine
+from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = ...
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs', 'plot_history']
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during `train()`: a checkpoint was saved at `step`; resume from `checkpoint`."""
@@ -62,6 +63,15 @@ class GRPOTrainer:
         """The entropy bonus coefficient now (TRL's name): the adaptive controller's value, else `args.entropy_coef`."""
         ...
 
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's private step for a `rollout_func`, for code that calls it: `(prompt_ids, completion_ids, env_mask, logprobs)`."""
+        ...
+
+    @property
+    def environments(self) -> list | None:
+        """The environment of each rollout of the latest generation batch (TRL's attribute); None before the first."""
+        ...
+
     @property
     def global_step(self) -> int:
         ...
@@ -87,12 +97,24 @@ class GRPOTrainer:
         """Run GRPO for `plan.total_optimizer_steps` optimizer steps (or until a callback stops it)."""
         ...
 
+    def training_step(self, model, inputs: TrainingInputs, num_items_in_batch: float | None=None) -> torch.Tensor:
+        """The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; the loss."""
+        ...
+
     def log(self, logs: dict, samples: list | None=None):
         """Send `logs` to the state's history, metrics.jsonl and every callback."""
         ...
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str='eval') -> dict:
         """Mean rewards, lengths and loss of completions of held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."""
+        ...
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."""
+        ...
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """The evaluation rows in the batches `evaluate` scores; `eval_dataset` may name one set of a dict (HF's method)."""
         ...
 
     def save_checkpoint(self) -> Path:
@@ -126,6 +148,14 @@ class GRPOTrainer:
 
 def _check_sources(reward_funcs, environment_factory) -> bool:
     """True when no reward function is given; an error when nothing (not even an environment) can score."""
+    ...
+
+def _routes_only(dataset, environment_factory) -> bool:
+    """True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."""
+    ...
+
+def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
+    """TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."""
     ...
 
 def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_classes):
@@ -172,8 +202,12 @@ def _corrects_sampler(args) -> bool:
     """True when the engine is not the policy (vLLM) and TRL's importance-sampling correction is on."""
     ...
 
-def _needs_old_logps(args, plan) -> bool:
-    """True when the policy moves between sampling and an update (mu > 1, or several steps per generation)."""
+def _needs_old_logps(trainer: GRPOTrainer) -> bool:
+    """True when the old log-probs need a forward pass of their own: the policy moves before an update, or has dropout."""
+    ...
+
+def _old_from_loss(trainer: GRPOTrainer) -> bool:
+    """True when the IS correction's old log-probs are the loss forward's own, detached (grpo-lab's saving; TRL: extra pass)."""
     ...
 
 def _sampler_weights(args, rollout: Rollout):
@@ -220,6 +254,16 @@ def _epoch_chunks(trainer: GRPOTrainer, epoch: int, start: int) -> Iterator[tupl
 def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
     """Forward and backward one micro-batch; gradients are synchronised across processes only when `step.sync`."""
     ...
+
+def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
+    """With `_old_from_loss`, gather the micro-batches' old log-probs; once all are in, the batch's `sampling/*` metrics."""
+    ...
+
+class TrainingInputs(list):
+    """A generation batch's dataset rows (as TRL's dataloader hands them to `training_step`) and the micro-step to learn."""
+
+    def __init__(self, rows: list[dict], step: MicroStep):
+        ...
 
 @contextlib.contextmanager
 def _checkpoint_on_interrupt(trainer: GRPOTrainer):
@@ -273,6 +317,19 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
 
 def _update_best_metric(trainer: GRPOTrainer, metrics: dict):
     """Track state.best_metric for metric_for_best_model (the HF Trainer's rule)."""
+    ...
+
+class _StreamBatches(torch.utils.data.IterableDataset):
+    """A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."""
+
+    def __init__(self, rows, prompts: int, G: int, accelerator):
+        ...
+
+    def __iter__(self):
+        ...
+
+def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, prompts: int, G: int) -> DataLoader:
+    """A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."""
     ...
 
 def plot_history(history: list[dict], keys: list[str] | None=None, ncols: int=3):

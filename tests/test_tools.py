@@ -448,6 +448,12 @@ def test_trainer_with_rollout_func_passes_extra_keys_to_rewards(smollm2, tokeniz
     assert calls == [3] and seen[0][1] == [1.0, 0.0, 0.5]
     assert [c[0]["content"] for c in seen[0][0]] == ["yes", "no", "maybe so"]
     assert trainer.state.log_history[0]["reward"] == pytest.approx(0.5)
+    # TRL's private entry point, as TRL's dispatch tests call it: the same call and the same check of the keys
+    assert trainer._generate([data[0]["prompt"]] * 3)[2] == [[1] * (len(c) - 1) + [0] for c in
+                                                           [tokenizer(t)["input_ids"] + [0] for t in ("yes", "no", "maybe so")]]
+    trainer.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]]}
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        trainer._generate(["prompt"])
 
 
 def test_trainer_signature_is_trls():

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from datasets import load_dataset
-from transformers import EarlyStoppingCallback, TrainerCallback
+from transformers import AutoTokenizer, EarlyStoppingCallback, TrainerCallback
 
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.data import arithmetic_task
@@ -749,3 +749,48 @@ def test_dataloaders_yield_what_the_loop_reads_with_trls_worker_rule(tmp_path):
     evaluation = trainer.get_eval_dataloader()
     assert evaluation.num_workers == 0 and args.dataloader_num_workers == 2
     assert sum(len(b) for b in evaluation) == 16             # 4 prompts x G=4
+
+
+class _OffPolicyEngine(tr.SharedPrefillEngine):
+    "The policy's own samples, with sampling log-probs that differ from the policy's (as a vLLM engine's do)."
+    def generate(self, rows, group, policy, settings, step):
+        from grpo_lab.loss import completion_logps
+        out = super().generate(rows, group, policy, settings, step)
+        with torch.no_grad():
+            ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+            mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+            logps, _ = completion_logps(policy, ids, mask, out.completion_ids.size(1), temperature=settings.temperature)
+        shift = 0.05 * torch.sin(torch.arange(logps.numel(), dtype=logps.dtype)).reshape(logps.shape)
+        out.sampling_logps = logps + shift
+        return out
+
+
+def test_is_correction_takes_old_logps_from_the_loss_forward_exactly(tmp_path, monkeypatch):
+    "mu=1, one step per rollout, no dropout: the extra forward is skipped and loss, grads and sampling/* are unchanged."
+    from grpo_lab import loss as loss_module
+
+    def run(skip: bool, out):
+        monkeypatch.setattr(tr, "_old_from_loss", tr._old_from_loss if skip else (lambda trainer: False))
+        monkeypatch.setattr(tr, "_needs_old_logps", tr._needs_old_logps if skip else (lambda trainer: True))
+        forwards = []
+        logps = loss_module.completion_logps
+        monkeypatch.setattr(tr, "completion_logps", lambda *a, **k: forwards.append(1) or logps(*a, **k))
+        args = small_args(out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                          use_vllm=True, seed=3)
+        trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(16),
+                              engine=_OffPolicyEngine(AutoTokenizer.from_pretrained(TINY), torch.device("cpu")))
+        trainer.train()
+        return trainer, len(forwards)
+
+    saved, saved_forwards = run(True, tmp_path / "a")
+    monkeypatch.undo()
+    extra, extra_forwards = run(False, tmp_path / "b")
+    assert saved_forwards == 4 and extra_forwards == 6          # 2 steps x 2 micro-batches, +1 old-logp pass a step
+    keys = ["loss", "grad_norm", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max"]
+    for a, b in zip(saved.history, extra.history):
+        assert all(k in a for k in keys)
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-5, abs=1e-6)
+    assert same_weights(weights(saved), weights(extra)) or all(
+        torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(weights(saved).values(), weights(extra).values()))
