@@ -20,10 +20,7 @@ def test_there_are_notebooks():
 
 # Notebooks whose run is past CI's budget: their other checks below still apply; run them by hand with
 # `python tests/notebook_runner.py --check nbs/<path>` (or GRPO_LAB_SLOW_NOTEBOOKS=1 here).
-OVER_BUDGET = {
-    "tutorials/07_teach_a_model_to_use_a_tool.ipynb": "a warm start and a GRPO run of SmolLM2 through a calculator: "
-                                                      "about 12 CPU-minutes, past CI's 25-minute budget (issue 21)",
-}
+OVER_BUDGET: dict[str, str] = {}     # notebooks whose run is past CI's budget: {path: why} (none today)
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS)
