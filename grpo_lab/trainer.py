@@ -32,13 +32,12 @@ from .config import GRPOConfig
 from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
-from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, routing_dataset,
-                    eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, seed_process,
+from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset,
+                    eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process,
                     warn_length_weighted_sequences)
 from .rewards import RewardModel
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
-                      expand_groups, generation_chunks,
-                      generation_rows, length_metrics, process_rows)
+                      expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
@@ -320,7 +319,6 @@ def _needs_old_logps(trainer: GRPOTrainer) -> bool:
 def _old_from_loss(trainer: GRPOTrainer) -> bool:
     "True when the IS correction's old log-probs are the loss forward's own, detached (grpo-lab's saving; TRL: extra pass)."
     return _corrects_sampler(trainer.args) and not _needs_old_logps(trainer)
-
 
 
 def _sampler_weights(args, rollout: Rollout):
