@@ -73,6 +73,9 @@ def configure_for_streaming(args) -> None:
         args.dataloader_num_workers = 0
 
 # %% ../nbs/06h_parts.ipynb
+EMPTY_PROMPT = [{"role": "user", "content": ""}]      # a row's prompt when only an environment's reset() writes it
+
+
 def environment_placeholder_dataset(args, environment_factory):
     "Without a dataset, an environment owns the data: empty prompts for `reset()` to fill, `max_steps` long (TRL)."
     from datasets import Dataset
@@ -89,9 +92,6 @@ def environment_placeholder_dataset(args, environment_factory):
                          "length. Set it via `GRPOConfig(max_steps=...)`.")
     rows = plan_for(args, PartialState().num_processes, None).unique_prompts_per_generation
     return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows})
-
-
-EMPTY_PROMPT = [{"role": "user", "content": ""}]      # a row's prompt when only an environment's reset() writes it
 
 
 def routing_dataset(dataset):

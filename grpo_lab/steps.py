@@ -37,7 +37,7 @@ class MicroStep:
     ends_epoch: bool          # the last micro-step of an epoch
     after: Position           # the position after this micro-step
     epoch: float              # progress in epochs after this micro-step
-    rows: torch.Tensor | None = None   # the micro-batch's rows in `rollout`
+    indices: torch.Tensor | None = None   # the micro-batch's rows in `rollout`
 
 # %% ../nbs/06g_steps.ipynb
 def advance(pos: Position, n_micro: int, num_iterations: int, n_generations: int | float) -> Position:

@@ -184,10 +184,9 @@ def _read_call(body: str, closed: bool) -> ToolCall:
 
 def parse_tool_calls(text: str, keep_malformed: bool = False) -> tuple[str, list[ToolCall]]:
     "The text outside `<tool_call>` tags (and malformed blocks, if kept), and the calls (malformed ones carry an `error`)."
-    read = lambda m: _read_call(m.group(1).strip(), m.group(0).endswith("</tool_call>"))
-    calls = [read(m) for m in _CALL.finditer(text)]
-    content = _CALL.sub(lambda m: m.group(0) if keep_malformed and read(m).error else "", text)
-    return content.strip(), calls
+    calls = [_read_call(m.group(1).strip(), m.group(0).endswith("</tool_call>")) for m in _CALL.finditer(text)]
+    kept = iter([keep_malformed and call.error is not None for call in calls])    # one flag per block, in order
+    return _CALL.sub(lambda m: m.group(0) if next(kept) else "", text).strip(), calls
 
 # %% ../nbs/06e_tools.ipynb
 def _as_text(result) -> str:

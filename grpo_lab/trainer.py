@@ -434,10 +434,14 @@ def _entropy_metrics(trainer: GRPOTrainer) -> dict:
 # %% ../nbs/06_trainer.ipynb
 def _epoch_chunks(trainer: GRPOTrainer, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
     "The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."
-    args = trainer.args
-    seed = args.data_seed if args.data_seed is not None else args.seed
+    seed, shuffle = _data_order(trainer.args)
     return epoch_chunks(trainer.train_dataset, trainer.streaming, trainer.plan.unique_prompts_per_generation, seed,
-                        args.shuffle_dataset is not False, epoch, start)
+                        shuffle, epoch, start)
+
+
+def _data_order(args) -> tuple[int, bool]:
+    "The seed and the shuffle switch of the prompt order (`data_seed` if set, as in the HF Trainer)."
+    return args.data_seed if args.data_seed is not None else args.seed, args.shuffle_dataset is not False
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -461,7 +465,7 @@ def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None
                 yield MicroStep(rollout.select(batches[pos.micro]), rollout,
                                 sync=(in_epoch + 1) % ga == 0 or ends_epoch, ends_epoch=ends_epoch, after=after,
                                 epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch,
-                                rows=batches[pos.micro])
+                                indices=batches[pos.micro])
                 pos = after
             rollout = None
 
@@ -511,11 +515,11 @@ def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
 def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
     "With `_old_from_loss`, gather the micro-batches' old log-probs; once all are in, the batch's `sampling/*` metrics."
     rollout, batch = step.rollout, step.batch
-    if not _old_from_loss(trainer) or rollout.sampling_logps is None or batch.old_logps is None or step.rows is None:
+    if not _old_from_loss(trainer) or rollout.sampling_logps is None or batch.old_logps is None or step.indices is None:
         return
     if not hasattr(rollout, "loss_old_logps"):  # beside rollout.old_logps, which later micro-batches must not read
         rollout.loss_old_logps = torch.full_like(rollout.sampling_logps, math.nan)
-    rollout.loss_old_logps[step.rows] = batch.old_logps.to(rollout.loss_old_logps.dtype)
+    rollout.loss_old_logps[step.indices] = batch.old_logps.to(rollout.loss_old_logps.dtype)
     if not rollout.loss_old_logps.isnan().any():      # every micro-batch of the rollout has run
         whole = dataclasses.replace(rollout, old_logps=rollout.loss_old_logps)
         rollout.metrics.update(_sampler_weights(trainer.args, whole)[1])
@@ -713,8 +717,7 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eva
 def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
     "One evaluation set's metrics, averaged over its batches of `per_device_eval_batch_size` completions per process."
     args, acc = trainer.args, trainer.accelerator
-    G = args.num_generations_eval or args.num_generations
-    prompts_per_batch = max(1, args.per_device_eval_batch_size * acc.num_processes // G)
+    G, prompts_per_batch = _eval_batching(trainer)
     window, prompt_rows = [], iter(dataset)
     while prompts := list(islice(prompt_rows, prompts_per_batch)):      # a Dataset or a (finite) stream, in order
         rows, group = generation_rows(prompts, G, acc.num_processes, acc.process_index)
@@ -723,6 +726,13 @@ def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
         window.append({"loss": _eval_loss(trainer, _as_rollout(trainer, out, adv)),
                        **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **_length_metrics(acc, out)})
     return _mean_metrics(window)
+
+
+def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
+    "Completions per prompt in evaluation, and prompts per batch (`per_device_eval_batch_size` completions a process)."
+    args = trainer.args
+    G = args.num_generations_eval or args.num_generations
+    return G, max(1, args.per_device_eval_batch_size * trainer.accelerator.num_processes // G)
 
 
 def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
@@ -780,11 +790,10 @@ def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, p
 @patch
 def get_train_dataloader(self: GRPOTrainer) -> DataLoader:
     "The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."
-    args, unique = self.args, self.plan.unique_prompts_per_generation
-    seed = args.data_seed if args.data_seed is not None else args.seed
+    unique, (seed, shuffle) = self.plan.unique_prompts_per_generation, _data_order(self.args)
     chunks = None if self.streaming else generation_chunks(len(self.train_dataset), unique, seed, int(self.state.epoch),
-                                                           shuffle=args.shuffle_dataset is not False)
-    return _row_loader(self, self.train_dataset, chunks, unique, args.num_generations)
+                                                           shuffle=shuffle)
+    return _row_loader(self, self.train_dataset, chunks, unique, self.args.num_generations)
 
 
 @patch
@@ -800,8 +809,7 @@ def get_eval_dataloader(self: GRPOTrainer, eval_dataset=None) -> DataLoader:
                          f"({sorted(n.rstrip('_') for n in sets) or 'none: pass eval_dataset'}): pass "
                          "eval_dataset=<a dataset> or the name of one set.")
     dataset = next(iter(sets.values()))
-    G = self.args.num_generations_eval or self.args.num_generations
-    prompts = max(1, self.args.per_device_eval_batch_size * self.accelerator.num_processes // G)
+    G, prompts = _eval_batching(self)
     chunks = None if isinstance(dataset, IterableDataset) else \
         [range(s, min(s + prompts, len(dataset))) for s in range(0, len(dataset), prompts)]
     return _row_loader(self, dataset, chunks, prompts, G)

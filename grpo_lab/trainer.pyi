@@ -251,6 +251,10 @@ def _epoch_chunks(trainer: GRPOTrainer, epoch: int, start: int) -> Iterator[tupl
     """The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."""
     ...
 
+def _data_order(args) -> tuple[int, bool]:
+    """The seed and the shuffle switch of the prompt order (`data_seed` if set, as in the HF Trainer)."""
+    ...
+
 def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
     """Forward and backward one micro-batch; gradients are synchronised across processes only when `step.sync`."""
     ...
@@ -309,6 +313,10 @@ def _restart_logs(trainer: GRPOTrainer):
 
 def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
     """One evaluation set's metrics, averaged over its batches of `per_device_eval_batch_size` completions per process."""
+    ...
+
+def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
+    """Completions per prompt in evaluation, and prompts per batch (`per_device_eval_batch_size` completions a process)."""
     ...
 
 def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
