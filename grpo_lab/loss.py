@@ -88,10 +88,21 @@ def _tile_logps(hidden, weight, bias, ids, temperature, compute_entropy):
     return logps, lse - torch.linalg.vecdot(torch.softmax(logits, -1), logits)
 
 
+def _head_operands(hidden, weight, bias, compute_dtype):
+    "`hidden`, `weight` and `bias` cast once to the head's matmul dtype: `compute_dtype` if given, else the weight's."
+    dtype = compute_dtype or weight.dtype
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def lm_head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                   temperature: float = 1.0, compute_entropy: bool = False, tile_rows: int | None = None,
-                  checkpoint_min: int = LM_HEAD_CHECKPOINT_MIN):
-    "Log-probs (float32) of `ids (...)` from final hidden states `(..., H)` through the LM head, one tile at a time."
+                  checkpoint_min: int = LM_HEAD_CHECKPOINT_MIN, compute_dtype: torch.dtype | None = None):
+    """Log-probs (float32) of `ids (...)` from final hidden states `(..., H)` through the LM head, one tile at a time.
+
+    `hidden` may come in any float dtype (a mixed-precision wrapper hands it back in float32 while the weight is
+    bf16): the matmul runs in `compute_dtype` (a mixed-precision run's), else in the weight's dtype; the log-probs
+    and entropies are float32 whatever goes in."""
+    hidden, weight, bias = _head_operands(hidden, weight, bias, compute_dtype)
     flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
     tile_rows = tile_rows or max(1, LM_HEAD_TILE_ELEMENTS // weight.shape[0])
     track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -139,9 +150,23 @@ def _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, ba
 
 # %% ../nbs/03_loss.ipynb
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                     temperature: float = 1.0, batch_size: int | None = None, compute_entropy: bool = False):
-    "Log-probs `(B, logits_to_keep)` of the last `logits_to_keep` tokens of `input_ids (B, L)`, and their entropies."
+                     temperature: float = 1.0, batch_size: int | None = None, compute_entropy: bool = False,
+                     autocast_dtype: torch.dtype | None = None):
+    """Log-probs `(B, logits_to_keep)` (float32) of the last `logits_to_keep` tokens of `input_ids (B, L)`, and
+    their entropies (float32).
+
+    `autocast_dtype` is the mixed-precision dtype of the run (bf16 or fp16; None: none): the forward pass and the
+    LM head run under that autocast here, whether or not the model is wrapped by accelerate, so the policy, the old
+    and the reference log-probs are computed at one precision (a KL between two precisions is not zero at step 0)."""
     _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, batch_size)
+    with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        return _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size,
+                                 compute_entropy, autocast_dtype)
+
+
+def _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, compute_entropy,
+                      autocast_dtype):
+    "`completion_logps` after its checks, inside its autocast region."
     accepted, batch_size, head = _forward_args(model), batch_size or len(input_ids), _lm_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logps, entropies = [], []
@@ -154,12 +179,12 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         if head is not None:                       # hidden states in, one tile of logits at a time
             hidden = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
             logp, entropy = lm_head_logps(hidden[:, -(logits_to_keep + 1):-1], *head, targets, temperature,
-                                          compute_entropy)
+                                          compute_entropy, compute_dtype=autocast_dtype)
         else:                                      # the model's own logits of the completion positions
             if "logits_to_keep" in accepted: inputs["logits_to_keep"] = logits_to_keep + 1
             logits = model(**inputs).logits[:, -(logits_to_keep + 1):-1]
             logits = logits / temperature if temperature != 1.0 else logits
-            logp = selective_log_softmax(logits, targets)
+            logp = selective_log_softmax(logits, targets).float()   # a bf16 model's logits give bf16 log-probs
             entropy = entropy_from_logits(logits) if compute_entropy else None
         logps.append(logp)
         entropies.append(entropy)

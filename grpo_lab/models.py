@@ -31,7 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           Qwen2Config, Qwen2ForCausalLM)
 
 from .data import arithmetic_task, render_prompt
-from .loss import completion_logps
+from .loss import _unwrap, completion_logps
 
 # %% auto 0
 __all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'SMOLLM2_HUB_ID',
@@ -432,7 +432,17 @@ def load_policy(model_name_or_path, *, tokenizer=None, load_in_4bit: bool = Fals
                                                trust_remote_code, model_init_kwargs))
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(name, model, trust_remote_code)
     _prepare_tokenizer(tokenizer, model)
-    return _prepare_for_training(model, adapter, load_in_4bit, gradient_checkpointing), tokenizer
+    quantized = load_in_4bit or _is_quantized(model)       # grpo-lab's flag, TRL's quantization_config, or a built model
+    if quantized and adapter is None and not _is_peft_model(model):
+        raise ValueError(f"{name!r:.200} is quantized (bitsandbytes): its 4-bit weights cannot be trained directly. "
+                         "Train LoRA adapters on it (peft_config=LoraConfig(...)), or load it unquantized.")
+    return _prepare_for_training(model, adapter, quantized, gradient_checkpointing), tokenizer
+
+
+def _is_quantized(model) -> bool:
+    "Whether `model` (or the base of a PeftModel) holds bitsandbytes 4- or 8-bit weights, however it was quantized."
+    inner = _unwrap(model)
+    return bool(getattr(inner, "is_loaded_in_4bit", False) or getattr(inner, "is_loaded_in_8bit", False))
 
 # %% ../nbs/05_models.ipynb
 def _load_model(name: str, kwargs: dict):
@@ -543,9 +553,11 @@ def make_reference(model, beta: float):
 # %% ../nbs/05_models.ipynb
 @torch.no_grad()
 def reference_logps(model, ref_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                    temperature: float = 1.0, batch_size: int | None = None) -> torch.Tensor:
-    "Reference log-probs `(B, logits_to_keep)`: from `ref_model`, or from `model` with its LoRA adapter disabled."
-    args = (input_ids, attention_mask, logits_to_keep, temperature, batch_size)
+                    temperature: float = 1.0, batch_size: int | None = None,
+                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference log-probs `(B, logits_to_keep)` (float32): from `ref_model`, or from `model` with its LoRA adapter
+    disabled, under the run's mixed precision `autocast_dtype` like the policy's own."""
+    args = (input_ids, attention_mask, logits_to_keep, temperature, batch_size, False, autocast_dtype)
     if ref_model is not None:
         return completion_logps(ref_model, *args)[0]
     if not _is_peft_model(model):

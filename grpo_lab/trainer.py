@@ -90,6 +90,7 @@ class GRPOTrainer:
         warn_length_weighted_sequences(args)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
                                        cpu=args.use_cpu)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
         n_proc = self.accelerator.num_processes
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
@@ -336,13 +337,14 @@ def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     k, bs = rollout.completion_ids.size(1), args.per_device_train_batch_size
     if _needs_old_logps(trainer):
-        rollout.old_logps, _ = completion_logps(trainer.model, input_ids, attention_mask, k,
-                                                temperature=args.temperature, batch_size=bs)
+        rollout.old_logps, _ = completion_logps(trainer.model, input_ids, attention_mask, k, temperature=args.temperature,
+                                                batch_size=bs, autocast_dtype=trainer.autocast_dtype)
     if _corrects_sampler(args) and rollout.sampling_logps is not None and rollout.old_logps is not None:
         rollout.metrics.update(_sampler_weights(args, rollout)[1])
     if args.beta > 0:
         rollout.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model,
-                                            input_ids, attention_mask, k, temperature=args.temperature, batch_size=bs)
+                                            input_ids, attention_mask, k, temperature=args.temperature, batch_size=bs,
+                                            autocast_dtype=trainer.autocast_dtype)
 
 # %% ../nbs/06_trainer.ipynb
 def _gather_flat(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -373,7 +375,8 @@ def _micro_batch_loss(trainer: GRPOTrainer, mb: Rollout):
     input_ids = torch.cat([mb.prompt_ids, mb.completion_ids], 1)
     attention_mask = torch.cat([mb.prompt_mask, mb.completion_mask], 1)
     logps, entropies = completion_logps(trainer.model, input_ids, attention_mask, mb.completion_ids.size(1),
-                                        temperature=args.temperature, compute_entropy=True)
+                                        temperature=args.temperature, compute_entropy=True,
+                                        autocast_dtype=trainer.autocast_dtype)
     mask = mb.loss_mask
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if trainer.entropy_control is not None:
@@ -743,7 +746,8 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
         batch.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, input_ids,
                                           attention_mask, batch.completion_ids.size(1), temperature=args.temperature,
-                                          batch_size=args.per_device_eval_batch_size)
+                                          batch_size=args.per_device_eval_batch_size,
+                                          autocast_dtype=trainer.autocast_dtype)
     window = trainer.entropy_window.totals.clone()
     loss, _ = _micro_batch_loss(trainer, batch)
     trainer.entropy_window.totals = window          # evaluating does not move the adaptive entropy coefficient
