@@ -197,10 +197,20 @@ def _refuse_unsupported(cfg) -> None:
 
 # %% ../nbs/06a_config.ipynb
 def _resolve_bf16(bf16: bool | None, fp16: bool, use_cpu: bool) -> bool:
-    "TRL's `bf16=None` means 'bf16 unless fp16'; grpo-lab adds 'and only where the hardware has bf16'."
+    """TRL's `bf16=None` means 'bf16 unless fp16'; grpo-lab adds 'and only where the GPU has bf16 units'.
+
+    A T4 (compute capability 7.5) has none: torch answers `is_bf16_supported()` True there through emulation, so
+    the capability decides. `bf16=True` on such a GPU is refused with the fix (TRL would run it emulated, slowly)."""
+    gpu = not use_cpu and torch.cuda.is_available()
+    native = gpu and torch.cuda.get_device_capability()[0] >= 8
+    if bf16 and gpu and not native:
+        name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+        raise ValueError(f"bf16=True on {name} (compute capability {major}.{minor}): this GPU has no bf16 units "
+                         "(bf16 needs compute capability >= 8.0, e.g. A100, L4, H100; torch only emulates it here). "
+                         "Use fp16=True, the T4's mixed precision, or bf16=False for float32.")
     if bf16 is not None:
         return bf16
-    return not fp16 and not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return not fp16 and native
 
 
 def _pad_multiple(value) -> int | None:

@@ -190,6 +190,9 @@ def merged_weights(policy) -> dict[str, torch.Tensor]:
                     weight += module.get_delta_weight(adapter).to(weight.dtype)
             weights[_vllm_name(name) + ".weight"] = weight
             merged.add(name + ".base_layer.weight")
+        elif hasattr(getattr(module, "weight", None), "quant_state") and name + ".weight" not in merged:
+            weights[_vllm_name(name) + ".weight"] = dequantize_module_weight(module)   # a 4-bit layer with no adapter
+            merged.add(name + ".weight")
     for name, param in policy.named_parameters():
         if "lora_" in name or "original_module" in name or name in merged:
             continue

@@ -1,0 +1,194 @@
+"""Every precision a CPU can run trains, and where TRL 1.16 trains a cell, grpo-lab's first step matches TRL's.
+
+The matrix (issue 30): the model's dtype {float32, bfloat16, float16} x the run's mixed precision {`bf16=True`,
+`fp16=True`, unset, `bf16=False`} x {full fine-tuning, LoRA, LoRA on a 4-bit base loaded TRL's way
+(`model_init_kwargs={"quantization_config": BitsAndBytesConfig(...)}`)} x {beta 0, beta 0.04 (a reference policy)}
+x {the `generate` engine, the tool loop}. Every cell is one script with only the import changed: the same
+`GRPOConfig` fields, the same `GRPOTrainer(model=path, ..., peft_config=...)` call.
+
+- `test_every_cell_trains` runs grpo-lab on every cell (the tool loop on the LoRA cells): one optimizer step, a finite
+  loss, gradient norm and entropy, and weights that moved.
+- `test_first_step_matches_trl` runs TRL 1.16 and grpo-lab side by side on the cells TRL trains on a CPU: TRL's
+  completions are replayed into grpo-lab (sampling is the only random part of a step), and the logged loss, gradient
+  norm and entropy of the first step must agree within the precision's tolerance (below).
+
+On a CPU, mixed precision is bf16 autocast (accelerate); `fp16=True` is what a T4 runs, and the GPU tests
+(tests/test_cuda.py) cover it there.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from transformers import BitsAndBytesConfig  # noqa: E402
+
+from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_lab.models import tiny_eval_problems, tiny_model_path  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16")
+FLAGS = ("bf16", "unset", "off")          # fp16=True on a CPU: see test_fp16_flag_on_a_cpu
+KINDS = ("full", "lora", "4bit")
+BETAS = (0.0, 0.04)
+# Tolerances of grpo-lab's first step against TRL's, relative (grad norm) or absolute (entropy, nats per token).
+# float32 everywhere: both compute the same sums in another order (grpo-lab applies the LM head to the final hidden
+# states a tile at a time, TRL asks the model for the logits): measured gaps ~1e-6. Any half precision (a bf16 or fp16
+# model, or bf16 autocast): the head's matmul runs in that precision in both, but TRL takes a bf16 model's log-softmax
+# in bf16 (8 significant bits) where grpo-lab takes it in float32, and the 4-bit cells dequantize in that precision:
+# measured gaps up to ~1e-2. A wrong dtype at a stage (a KL between two precisions, a log-prob left in bf16) shows as
+# a nonzero KL at step 1 or a grad-norm gap of 10% and more.
+TOLERANCE = {"full": 1e-4, "half": 3e-2}
+
+
+def reward(completions, answer, **kwargs):
+    "Varied within a group: the answer appears (1), minus the length over 50 characters."
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(a in t) - len(t) / 50 for t, a in zip(texts, answer)]
+
+
+def dataset():
+    from datasets import Dataset
+    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in tiny_eval_problems(8)])
+
+
+def config_kwargs(output_dir, dtype, flag, kind, beta) -> dict:
+    "The script's GRPOConfig fields for one cell (the same names in TRL and grpo-lab)."
+    init = {"dtype": dtype}
+    if kind == "4bit":
+        init["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_compute_dtype=getattr(torch, dtype))
+    kwargs = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=8, max_steps=1, use_cpu=True, report_to="none", logging_steps=1,
+                  save_strategy="no", beta=beta, model_init_kwargs=init, disable_tqdm=True, seed=0,
+                  learning_rate=1e-3, gradient_checkpointing=False)
+    if flag != "unset":
+        kwargs["bf16"] = flag == "bf16"
+    return kwargs
+
+
+def peft_config(kind):
+    return None if kind == "full" else peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                       task_type="CAUSAL_LM")
+
+
+def trainable(model) -> dict:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def first_step(log_history) -> dict:
+    return next(entry for entry in log_history if "grad_norm" in entry)
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+CELLS = [(d, f, k, b, "generate") for d in DTYPES for f in FLAGS for k in KINDS for b in BETAS]
+CELLS += [(d, f, "lora", 0.04, "tools") for d in DTYPES for f in FLAGS]
+
+
+@pytest.mark.parametrize("dtype,flag,kind,beta,engine", CELLS, ids=lambda v: str(v))
+def test_every_cell_trains(tmp_path, dtype, flag, kind, beta, engine):
+    args = GRPOConfig(**config_kwargs(tmp_path, dtype, flag, kind, beta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=str(tiny_model_path()), reward_funcs=reward, args=args, train_dataset=dataset(),
+                              peft_config=peft_config(kind), tools=[multiply] if engine == "tools" else None)
+    before = trainable(trainer.model)
+    trainer.train()
+    log = first_step(trainer.state.log_history)
+    assert all(math.isfinite(log[k]) for k in ("loss", "grad_norm", "entropy")), log
+    assert log["grad_norm"] > 0, log
+    if beta > 0:      # step 1: the policy is the reference, at the same precision, so the KL is 0 up to rounding
+        assert abs(log["kl"]) < 1e-3, log
+    after = trainable(trainer.model)
+    moved = sum(not torch.equal(before[n], after[n]) for n in before)
+    assert moved > 0, f"no trainable tensor moved in one optimizer step ({len(before)} trainable)"
+    weight = next(p for n, p in trainer.model.named_parameters() if "q_proj" in n and "lora" not in n)
+    if kind != "4bit":
+        assert weight.dtype == getattr(torch, dtype), (weight.dtype, dtype)
+
+
+@pytest.fixture(scope="module")
+def trl():
+    return pytest.importorskip("trl")
+
+
+PARITY_CELLS = [(d, f, k, 0.04) for d in DTYPES for f in FLAGS for k in KINDS]
+
+
+@pytest.mark.parametrize("dtype,flag,kind,beta", PARITY_CELLS, ids=lambda v: str(v))
+def test_first_step_matches_trl(trl, tmp_path, dtype, flag, kind, beta):
+    from test_learning_parity import ReplayEngine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)      # LoRA's A matrices are random: both trainers draw them from the same state
+        theirs = trl.GRPOTrainer(model=str(tiny_model_path()), reward_funcs=reward, train_dataset=dataset(),
+                                 args=trl.GRPOConfig(**config_kwargs(tmp_path / "trl", dtype, flag, kind, beta)),
+                                 peft_config=peft_config(kind))
+    batches, sample = [], theirs._generate
+
+    def recording(prompts):
+        out = sample(prompts)
+        batches.append({"prompts": prompts, "prompt_ids": [list(x) for x in out[0]],
+                        "completion_ids": [list(x) for x in out[1]]})
+        return out
+
+    theirs._generate = recording
+    initial = trainable(theirs.model)
+    theirs.train()
+    trl_log = first_step(theirs.state.log_history)
+
+    args = GRPOConfig(**config_kwargs(tmp_path / "lab", dtype, flag, kind, beta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        ours = GRPOTrainer(model=str(tiny_model_path()), reward_funcs=reward, args=args, train_dataset=dataset(),
+                           peft_config=peft_config(kind), engine=ReplayEngine(theirs.processing_class, batches))
+    start = trainable(ours.model)
+    assert sorted(start) == sorted(initial)
+    for name in initial:     # the same starting point: the same load, the same adapter draw
+        torch.testing.assert_close(start[name], initial[name], rtol=0, atol=0, msg=name)
+    ours.train()
+    lab_log = first_step(ours.state.log_history)
+    half = dtype != "float32" or flag == "bf16" or kind == "4bit"
+    tol = TOLERANCE["half" if half else "full"]
+    assert lab_log["loss"] == pytest.approx(trl_log["loss"], abs=tol), (lab_log, trl_log)
+    assert lab_log["entropy"] == pytest.approx(trl_log["entropy"], abs=tol * 3), (lab_log, trl_log)
+    assert lab_log["grad_norm"] == pytest.approx(trl_log["grad_norm"], rel=tol * 3), (lab_log, trl_log)
+
+
+@pytest.fixture
+def a_t4(monkeypatch):
+    "This process sees a Tesla T4 (no GPU here: torch.cuda answers as it does on Colab's free GPU)."
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+
+
+def test_bf16_on_a_t4_is_refused_with_the_fix(tmp_path, a_t4):
+    from grpo_lab.config import _resolve_bf16
+    with pytest.raises(ValueError, match=r"bf16=True on Tesla T4 \(compute capability 7.5\).*fp16=True"):
+        _resolve_bf16(True, False, False)
+    assert _resolve_bf16(None, False, False) is False       # the default never picks emulated bf16
+    assert _resolve_bf16(None, True, False) is False
+    assert _resolve_bf16(True, False, True) is True         # use_cpu: the CPU's bf16 autocast, whatever the GPU
+
+
+def test_bf16_default_on_an_ampere_gpu(monkeypatch):
+    from grpo_lab.config import _resolve_bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert _resolve_bf16(None, False, False) is True
+    assert _resolve_bf16(None, True, False) is False
