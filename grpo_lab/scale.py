@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import re
 import types
@@ -65,6 +66,10 @@ def _config_fields() -> dict:
             default = (f.default if f.default is not dataclasses.MISSING else
                        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             fields[f.name] = (hints.get(f.name, f.type), default)
+    from grpo_lab.models import load_policy              # the trainer's loading shortcuts, typed as load_policy takes them
+    from grpo_lab.scripts import LOADING_SHORTCUTS
+    parameters = inspect.signature(load_policy).parameters
+    fields |= {name: (parameters[name].annotation, parameters[name].default) for name in LOADING_SHORTCUTS}
     return fields
 
 
@@ -384,7 +389,8 @@ def read_run(run, overrides: Mapping | None = None) -> dict:
 def build_config(options: Mapping):
     "`GRPOConfig(**options)` for options that `read_run` checked (the class is imported here: it loads torch)."
     from grpo_lab.config import GRPOConfig
-    return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS})
+    from grpo_lab.scripts import LOADING_SHORTCUTS       # the trainer's, not the config's (06a_config)
+    return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS + LOADING_SHORTCUTS})
 
 # %% ../nbs/08_scale.ipynb
 def _plan(options: dict, num_processes: int, dataset_size: int | None) -> BatchPlan:

@@ -73,7 +73,9 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None, engine: RolloutEngine | None = None):
+                 environment_factory=None, engine: RolloutEngine | None = None, *, lora_r: int | None = None,
+                 lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
+                 load_in_4bit: bool = False):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
         no_rewards = _check_sources(reward_funcs, environment_factory)
         check_output_dir(args.output_dir)
@@ -94,7 +96,9 @@ class GRPOTrainer:
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
-        model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config)
+        model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
+                                                  lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                  target_modules=target_modules, load_in_4bit=load_in_4bit)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)
