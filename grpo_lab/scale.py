@@ -52,6 +52,13 @@ def per_device_memory(estimate, strategy: str, num_processes: int):
     return MemoryEstimate(**parts, settings={**estimate.settings, "strategy": strategy, "processes": num_processes})
 
 # %% ../nbs/08_scale.ipynb
+def _hint(parameter: inspect.Parameter):
+    "A parameter's type hint; an unannotated one takes its default's type, or a list of them (`target_modules`)."
+    if parameter.annotation is not inspect.Parameter.empty:
+        return parameter.annotation
+    return f"{type(parameter.default).__name__} | list"
+
+
 @functools.cache
 def _config_fields() -> dict:
     "GRPOConfig's options as `{name: (type, default)}`, read from the class on first use (importing it loads torch)."
@@ -69,7 +76,7 @@ def _config_fields() -> dict:
     from grpo_lab.models import load_policy              # the trainer's loading shortcuts, typed as load_policy takes them
     from grpo_lab.scripts import LOADING_SHORTCUTS
     parameters = inspect.signature(load_policy).parameters
-    fields |= {name: (parameters[name].annotation, parameters[name].default) for name in LOADING_SHORTCUTS}
+    fields |= {name: (_hint(parameters[name]), parameters[name].default) for name in LOADING_SHORTCUTS}
     return fields
 
 

@@ -113,3 +113,60 @@ def test_a_peft_model_passed_as_model_trains_its_adapter(tmp_path):
     moved = {k for k, v in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
              if not torch.equal(v, before[k])}
     assert moved and all("lora_" in k for k in moved)
+
+
+def _parameters(fn) -> tuple[set, bool]:
+    "The named parameters of a function and whether it takes **kwargs."
+    import inspect
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}, \
+        any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def test_every_public_name_of_trls_trainer_exists_with_its_signature_or_is_refused():
+    "Each public name of TRL 1.16's GRPOTrainer: present with TRL's parameter names (or **kwargs), or refused in words."
+    import inspect
+    trl = pytest.importorskip("trl")
+    from grpo_lab import GRPOTrainer
+    from grpo_lab.surface import REFUSED_METHODS
+    theirs = [n for n in dir(trl.GRPOTrainer) if not n.startswith("_")]
+    missing, mismatched = [], []
+    for name in theirs:
+        if not hasattr(GRPOTrainer, name):
+            missing.append(name)
+            continue
+        if name in REFUSED_METHODS:
+            with pytest.raises(NotImplementedError, match=f"GRPOTrainer.{name} is not supported"):
+                getattr(GRPOTrainer, name)(object())
+            continue
+        trl_member, ours = getattr(trl.GRPOTrainer, name), getattr(GRPOTrainer, name)
+        if callable(trl_member):
+            wanted, _ = _parameters(trl_member)
+            have, open_ended = _parameters(ours)
+            wanted -= {"_internal_call", "trial", "ignore_keys_for_eval"}   # HF internals: accepted by **kwargs below
+            if not (wanted <= have or open_ended):
+                mismatched.append(f"{name}: TRL {sorted(wanted)}, grpo-lab {sorted(have)}")
+        else:
+            assert type(ours) is type(trl_member), name
+    assert not missing and not mismatched, (missing, mismatched)
+
+
+def test_the_calls_scripts_make_after_train(tmp_path, dataset_folder):
+    "save_model, log_metrics, save_metrics, save_state, create_model_card, is_world_process_zero and end, as in TRL."
+    from grpo_lab import GRPOConfig, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+    out = tmp_path / "out"
+    trainer, _ = run_script(TrlParser, ScriptArguments, GRPOConfig, ModelConfig, get_peft_config,
+                            argv(out, dataset_folder, "--max_steps", "2"))
+    metrics = {"train_runtime": 1.0, "reward": 0.5}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    trainer.save_model(str(out))
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
+    trainer.create_model_card(model_name="tiny-grpo", dataset_name="arith", tags=["math"])
+    trainer.end()
+    card = (out / "README.md").read_text()
+    assert "- math" in card and "- trl" in card and "# tiny-grpo" in card and "arith" in card
+    assert json.loads((out / "train_results.json").read_text())["reward"] == 0.5
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
+    assert (out / "model.safetensors").exists() and (out / "all_results.json").exists()
