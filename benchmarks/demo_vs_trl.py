@@ -44,8 +44,8 @@ def trainer_for(name: str, recipe, model_path, train_set, reward_funcs, seed: in
                   beta=0.0, loss_type="dapo", disable_tqdm=True, bf16=False)
     if name == "grpo-lab":
         from grpo_lab.trainer import GRPOConfig, GRPOTrainer
-        return GRPOTrainer(str(model_path), reward_funcs, args=GRPOConfig(**common, lora_r=recipe.lora_r),
-                           train_dataset=train_set, callbacks=[timer])
+        return GRPOTrainer(str(model_path), reward_funcs, args=GRPOConfig(**common),
+                           train_dataset=train_set, callbacks=[timer], lora_r=recipe.lora_r)
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
     lora = LoraConfig(r=recipe.lora_r, lora_alpha=2 * recipe.lora_r, lora_dropout=0.0, target_modules="all-linear",

@@ -111,7 +111,7 @@ def main(argv=None):
         from grpo_lab.trainer import GRPOTrainer
         extra = {"vllm_dtype": a.vllm_dtype} if a.vllm_dtype else {}
         trainer = GRPOTrainer(str(model), numeric_answer, train_dataset=train_set, callbacks=[Clock()],
-                              args=GRPOConfig(**common, **extra, lora_r=recipe.lora_r, lora_alpha=2 * recipe.lora_r))
+                              args=GRPOConfig(**common, **extra), lora_r=recipe.lora_r, lora_alpha=2 * recipe.lora_r)
     else:
         from peft import LoraConfig
         from trl import GRPOConfig, GRPOTrainer

@@ -9,7 +9,12 @@ __all__ = []
 # %% ../nbs/index.ipynb
 _LAZY = {"GRPOConfig": "config", "GRPOTrainer": "trainer", "plan_batches": "batching",
          "compute_advantages": "advantages", "grpo_loss": "loss", "load_policy": "models",
-         "load_prompts": "data"}
+         "load_prompts": "data",
+         # what a TRL GRPO script imports besides the trainer (06i_scripts): `from trl import X` -> `from grpo_lab import X`
+         **dict.fromkeys(["ModelConfig", "ScriptArguments", "TrlParser", "DatasetMixtureConfig", "get_dataset",
+                          "get_peft_config", "get_quantization_config", "get_kbit_device_map", "accuracy_reward",
+                          "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment",
+                          "get_repetition_penalty_reward", "get_cosine_scaled_reward"], "scripts")}
 
 
 def __getattr__(name):

@@ -261,10 +261,9 @@ def _make_trainer(kind: str, s: BenchSettings, model_dir: Path, dataset, output_
     args = _common_args(s, output_dir, cuda)
     if kind == "grpo-lab":
         from grpo_lab.trainer import GRPOConfig, GRPOTrainer
-        config = GRPOConfig(**args, lora_r=s.lora_r, lora_alpha=2 * s.lora_r if s.lora_r else None,
-                            load_in_4bit=s.load_in_4bit)
-        return GRPOTrainer(str(model_dir), even_token_reward, args=config, train_dataset=dataset,
-                           processing_class=load_tokenizer(model_dir))
+        return GRPOTrainer(str(model_dir), even_token_reward, args=GRPOConfig(**args), train_dataset=dataset,
+                           processing_class=load_tokenizer(model_dir), lora_r=s.lora_r,
+                           lora_alpha=2 * s.lora_r if s.lora_r else None, load_in_4bit=s.load_in_4bit)
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer

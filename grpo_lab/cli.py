@@ -151,7 +151,7 @@ def parse_overrides(tokens: list[str]) -> dict:
 
 # %% ../nbs/09_cli.ipynb
 def load_run(config_path, overrides: dict):
-    "Read a run YAML once and apply overrides: returns (model, dataset spec, reward names, GRPOConfig)."
+    "Read a run YAML once and apply overrides: returns (model, dataset spec, reward names, GRPOConfig, the trainer's loading shortcuts)."
     from grpo_lab.scale import build_config, read_run
     try:
         values = read_run(Path(config_path), overrides)
@@ -162,7 +162,8 @@ def load_run(config_path, overrides: dict):
         args = build_config(values)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
-    return values["model"], values["dataset"], rewards, args
+    from grpo_lab.scripts import loading_shortcuts
+    return values["model"], values["dataset"], rewards, args, loading_shortcuts(values)
 
 # %% ../nbs/09_cli.ipynb
 def resume_command(config_path, tokens: list[str]) -> str:
@@ -188,10 +189,10 @@ def _final_policy(output_dir) -> Path | None:
 
 def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
     "Train from a YAML run description; Ctrl-C saves a checkpoint and exits 130 with the resume command."
-    model, dataset, rewards, args = load_run(a.config, overrides)
+    model, dataset, rewards, args, shortcuts = load_run(a.config, overrides)
     funcs = [resolve_reward(r) for r in rewards]
     from grpo_lab.trainer import GRPOTrainer
-    trainer = GRPOTrainer(resolve_model(model), funcs, args=args, train_dataset=resolve_dataset(dataset))
+    trainer = GRPOTrainer(resolve_model(model), funcs, args=args, train_dataset=resolve_dataset(dataset), **shortcuts)
     try:
         trainer.train(resume_from_checkpoint=a.resume)
     except KeyboardInterrupt as e:
@@ -326,15 +327,14 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
     return HeldOutAccuracy()
 
 # %% ../nbs/09_cli.ipynb
-def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, load_in_4bit: bool = False,
-                use_vllm: bool = False):
+def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bool = False):
     "The GRPOConfig of one `grpo-lab demo` run; `use_vllm` samples with vLLM in this process (TRL's importance-sampling correction on)."
     from grpo_lab.config import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
                       num_generations=recipe.num_generations, max_steps=recipe.steps, learning_rate=recipe.learning_rate,
                       max_completion_length=recipe.max_new_tokens, temperature=1.0, lr_scheduler_type=recipe.lr_scheduler_type,
                       logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
-                      lora_r=recipe.lora_r, load_in_4bit=load_in_4bit, num_train_epochs=1, num_completions_to_print=3,
+                      num_train_epochs=1, num_completions_to_print=3,
                       gradient_checkpointing=False, report_to="none", use_vllm=use_vllm, vllm_mode="colocate",
                       vllm_max_model_length=512 if use_vllm else None)
 
@@ -377,8 +377,8 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     out = _demo_folder(output_dir, overwrite)
     callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, getattr(rewards, recipe.accuracy))
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, load_in_4bit, use_vllm),
-                          train_dataset=train_set, callbacks=[callback])
+    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm),
+                          train_dataset=train_set, callbacks=[callback], lora_r=recipe.lora_r, load_in_4bit=load_in_4bit)
     trainer.train()
     seconds = time.perf_counter() - t0
     before, after = callback.points[0][1], callback.points[-1][1]

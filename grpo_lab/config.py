@@ -26,9 +26,12 @@ class GRPOConfig(TrainingArguments):
     """Everything a GRPO run needs besides the model, the rewards and the data: TRL 1.16's `GRPOConfig`.
 
     Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
-    `max_prompt_length` (cut prompts from the left) and the model-loading shortcuts `load_in_4bit`, `lora_r`,
-    `lora_alpha`, `lora_dropout`, `target_modules` are grpo-lab's; the fields in `REFUSED_OPTIONS` raise a
+    `max_prompt_length` (cut prompts from the left) is grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
+    `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS` raise a
     `ValueError` when set, and `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
+    # the dict options TrainingArguments reads from JSON text (a command line, a YAML string), TRL's list
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]
     # TrainingArguments defaults that TRL changes
     learning_rate: float = 1e-6
     logging_steps: float = 10
@@ -122,11 +125,6 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_cap: float | None = None
     # grpo-lab's own
     max_prompt_length: int | None = None
-    load_in_4bit: bool = False
-    lora_r: int | None = None
-    lora_alpha: int | None = None
-    lora_dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
 
     def __post_init__(self):
@@ -254,8 +252,6 @@ def _check_ranges(cfg) -> None:
            f"num_train_epochs={cfg.num_train_epochs} must be a whole number >= 1 (grpo-lab's plans count whole epochs; "
            "use max_steps for part of an epoch).")
     _check(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0 (a fraction below 1 is a ratio of the run).")
-    _check(cfg.lora_r is None or cfg.lora_r >= 1, f"lora_r={cfg.lora_r} must be >= 1, or None for full fine-tuning.")
-    _check(0 <= cfg.lora_dropout < 1, f"lora_dropout={cfg.lora_dropout} must be in [0, 1).")
     _check(not (cfg.bf16 and cfg.fp16), "bf16=True and fp16=True: choose one mixed-precision mode.")
     _check(not (cfg.sync_ref_model and cfg.beta == 0), "sync_ref_model=True needs a reference model, which beta=0 "
            "does not create: set beta > 0 or sync_ref_model=False.")

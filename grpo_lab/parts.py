@@ -142,14 +142,13 @@ def _init_kwargs(args, model, quantization_config) -> dict:
     return {**init_kwargs, "quantization_config": quantization_config}
 
 # %% ../nbs/06h_parts.ipynb
-def load_model(args, model, processing_class, peft_config, quantization_config=None):
-    "The policy and its tokenizer, with the config's loading options (and TRL's `quantization_config`)."
-    model, tokenizer = load_policy(model, tokenizer=processing_class, load_in_4bit=args.load_in_4bit,
-                                   lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                   target_modules=args.target_modules, peft_config=peft_config,
+def load_model(args, model, processing_class, peft_config, quantization_config=None, **shortcuts):
+    "The policy and its tokenizer: `load_policy` with the config's options, TRL's `quantization_config` and grpo-lab's `lora_r`-style `shortcuts`."
+    init_kwargs = _init_kwargs(args, model, quantization_config)
+    trust_remote_code = init_kwargs.pop("trust_remote_code", args.trust_remote_code)    # model_init_kwargs wins (TRL)
+    model, tokenizer = load_policy(model, tokenizer=processing_class, peft_config=peft_config,
                                    gradient_checkpointing=args.gradient_checkpointing,
-                                   trust_remote_code=args.trust_remote_code,
-                                   **_init_kwargs(args, model, quantization_config))
+                                   trust_remote_code=trust_remote_code, **shortcuts, **init_kwargs)
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):

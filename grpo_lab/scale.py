@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import re
 import types
@@ -51,6 +52,13 @@ def per_device_memory(estimate, strategy: str, num_processes: int):
     return MemoryEstimate(**parts, settings={**estimate.settings, "strategy": strategy, "processes": num_processes})
 
 # %% ../nbs/08_scale.ipynb
+def _hint(parameter: inspect.Parameter):
+    "A parameter's type hint; an unannotated one takes its default's type, or a list of them (`target_modules`)."
+    if parameter.annotation is not inspect.Parameter.empty:
+        return parameter.annotation
+    return f"{type(parameter.default).__name__} | list"
+
+
 @functools.cache
 def _config_fields() -> dict:
     "GRPOConfig's options as `{name: (type, default)}`, read from the class on first use (importing it loads torch)."
@@ -65,6 +73,10 @@ def _config_fields() -> dict:
             default = (f.default if f.default is not dataclasses.MISSING else
                        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             fields[f.name] = (hints.get(f.name, f.type), default)
+    from grpo_lab.models import load_policy              # the trainer's loading shortcuts, typed as load_policy takes them
+    from grpo_lab.scripts import LOADING_SHORTCUTS
+    parameters = inspect.signature(load_policy).parameters
+    fields |= {name: (_hint(parameters[name]), parameters[name].default) for name in LOADING_SHORTCUTS}
     return fields
 
 
@@ -384,7 +396,8 @@ def read_run(run, overrides: Mapping | None = None) -> dict:
 def build_config(options: Mapping):
     "`GRPOConfig(**options)` for options that `read_run` checked (the class is imported here: it loads torch)."
     from grpo_lab.config import GRPOConfig
-    return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS})
+    from grpo_lab.scripts import LOADING_SHORTCUTS       # the trainer's, not the config's (06a_config)
+    return GRPOConfig(**{k: v for k, v in options.items() if k not in RUN_KEYS + LOADING_SHORTCUTS})
 
 # %% ../nbs/08_scale.ipynb
 def _plan(options: dict, num_processes: int, dataset_size: int | None) -> BatchPlan:

@@ -40,6 +40,7 @@ from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, Sha
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
@@ -68,12 +69,14 @@ def _resume_hint(last: Path | None) -> str:
     return f"Fix it and resume with trainer.train(resume_from_checkpoint={str(last)!r})."
 
 # %% ../nbs/06_trainer.ipynb
-class GRPOTrainer:
+class GRPOTrainer(TrainerSurface):
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None, engine: RolloutEngine | None = None):
+                 environment_factory=None, engine: RolloutEngine | None = None, *, lora_r: int | None = None,
+                 lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
+                 load_in_4bit: bool = False):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
         no_rewards = _check_sources(reward_funcs, environment_factory)
         check_output_dir(args.output_dir)
@@ -95,7 +98,9 @@ class GRPOTrainer:
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
-        model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config)
+        model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
+                                                  lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                  target_modules=target_modules, load_in_4bit=load_in_4bit)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)
@@ -666,7 +671,7 @@ def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float])
 
 # %% ../nbs/06_trainer.ipynb
 @patch
-def log(self: GRPOTrainer, logs: dict, samples: list | None = None):
+def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples: list | None = None):
     "Send `logs` to the state's history, metrics.jsonl and every callback."
     logs = {**logs, "epoch": round(self.state.epoch or 0.0, 4)}
     self.state.log_history.append({**logs, "step": self.state.global_step})
@@ -704,7 +709,8 @@ def _restart_logs(trainer: GRPOTrainer):
 # %% ../nbs/06_trainer.ipynb
 @patch
 @torch.no_grad()
-def evaluate(self: GRPOTrainer, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
+def evaluate(self: GRPOTrainer, eval_dataset=None, ignore_keys: list[str] | None = None,
+             metric_key_prefix: str = "eval") -> dict:
     "Mean rewards, lengths and loss of completions of held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."
     sets = eval_sets(eval_dataset if eval_dataset is not None else self.eval_dataset)
     if not sets:
@@ -863,36 +869,9 @@ def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
     if self.accelerator.is_main_process:
         self.accelerator.unwrap_model(self.model).save_pretrained(path)
         self.processing_class.save_pretrained(path)
-        self.create_model_card(path)
+        _model_card(self, path)
     self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
     return path
-
-
-@patch
-def create_model_card(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
-    "A README.md with the tags TRL uses (trl, grpo) and grpo-lab's, the base model and the training settings."
-    path = Path(output_dir or self.args.output_dir) / "README.md"
-    model = self.accelerator.unwrap_model(self.model)
-    base = getattr(getattr(model, "config", None), "_name_or_path", "") or "unknown"
-    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags:", "- trl", "- grpo", "- grpo-lab",
-             "---", "",
-             f"# {Path(path.parent).name}", "", f"Fine-tuned from `{base}` with GRPO (grpo-lab, TRL-compatible), "
-             f"{self.state.global_step} optimizer steps, loss type `{self.args.loss_type}`, "
-             f"{self.args.num_generations} completions per prompt, learning rate {self.args.learning_rate}."]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@patch
-def push_to_hub(self: GRPOTrainer, commit_message: str = "End of training", **kwargs):
-    "Save the model to output_dir and upload the folder to `args.hub_model_id` (huggingface_hub)."
-    from huggingface_hub import HfApi
-    repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
-    path = self.save_model()
-    api = HfApi(token=self.args.hub_token)
-    api.create_repo(repo_id, private=self.args.hub_private_repo, exist_ok=True)
-    return api.upload_folder(repo_id=repo_id, folder_path=str(path), commit_message=commit_message,
-                             ignore_patterns=["checkpoint-*", "tmp-checkpoint-*", "*.jsonl"], **kwargs)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -36,9 +36,10 @@ class Say(TrainerCallback):
 
 out = Path(sys.argv[1])
 args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
-                  learning_rate=1e-3, logging_steps=1, disable_tqdm=True, max_steps=12, lora_r=4,
+                  learning_rate=1e-3, logging_steps=1, disable_tqdm=True, max_steps=12,
                   gradient_checkpointing=False, save_strategy="steps", save_steps=1, save_total_limit=2)
-trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(64), callbacks=[Say()])
+trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(64), callbacks=[Say()],
+                      lora_r=4)
 trainer.train(resume_from_checkpoint=any(out.glob("checkpoint-*")))
 print("done", flush=True)
 """
@@ -182,9 +183,10 @@ def test_push_to_hub_uploads_the_model_card_and_weights(tmp_path, monkeypatch):
 def test_another_models_checkpoint_gets_one_sentence(tmp_path):
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                 disable_tqdm=True, gradient_checkpointing=False, save_strategy="steps", save_steps=1)
-    GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=1, lora_r=8),
+    GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=1), lora_r=8,
                 train_dataset=arithmetic_task(32)).train()
-    other = GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=2, lora_r=4), train_dataset=arithmetic_task(32))
+    other = GRPOTrainer(TINY, exact_answer, args=GRPOConfig(**args, max_steps=2), train_dataset=arithmetic_task(32),
+                        lora_r=4)
     with pytest.raises(ValueError, match="checkpoint-1 was written by another model") as e:
         other.train(resume_from_checkpoint=tmp_path / "checkpoint-1")
     assert len(str(e.value)) < 600

@@ -157,9 +157,9 @@ def test_the_colab_config_describes_a_valid_run():
     "The T4 config needs the hub to run; offline we check it parses into a valid plan and known rewards."
     from grpo_lab.batching import plan_for
     from grpo_lab.cli import load_run, resolve_reward
-    model, dataset, rewards, args = load_run(ROOT / "configs" / "colab-t4-qwen-gsm8k.yaml", {})
+    model, dataset, rewards, args, shortcuts = load_run(ROOT / "configs" / "colab-t4-qwen-gsm8k.yaml", {})
     assert model == "Qwen/Qwen2.5-0.5B-Instruct" and dataset["source"] == "openai/gsm8k"
-    assert args.load_in_4bit and args.lora_r == 16 and plan_for(args).unique_prompts_per_generation == 4
+    assert shortcuts == {"load_in_4bit": True, "lora_r": 16, "lora_alpha": 32} and plan_for(args).unique_prompts_per_generation == 4
     assert [resolve_reward(r).__name__ for r in rewards] == rewards
 
 

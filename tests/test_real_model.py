@@ -119,10 +119,9 @@ def _train_once(folder, output_dir, seen, **options):
     model = options.pop("model", folder)
     tokenizer = options.pop("processing_class", None)
     args = GRPOConfig(output_dir=str(output_dir), num_generations=4, max_completion_length=24, max_steps=1,
-                      learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to="none", lora_r=4,
-                      target_modules=["q_proj", "v_proj"], seed=0, **options)
+                      learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to="none", seed=0, **options)
     trainer = GRPOTrainer(model, reward_length, args=args, train_dataset=Dataset.from_list([{"prompt": q} for q in questions]),
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, lora_r=4, target_modules=["q_proj", "v_proj"])
     trainer.train()
     return trainer
 

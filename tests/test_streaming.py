@@ -74,11 +74,12 @@ def test_an_unshuffled_stream_trains_exactly_as_the_same_prompts_in_a_dataset(tm
 
 
 def test_resuming_a_shuffled_stream_mid_rollout_reproduces_the_uninterrupted_run(tmp_path):
-    kw = dict(lora_r=4, num_iterations=2, steps_per_generation=2, save_strategy="steps", save_steps=1, max_steps=11,
+    kw = dict(num_iterations=2, steps_per_generation=2, save_strategy="steps", save_steps=1, max_steps=11,
               learning_rate=5e-3)
-    full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=stream(10))
+    full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=stream(10), lora_r=4)
     full.train()
-    resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=stream(10))
+    resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=stream(10),
+                          lora_r=4)
     resumed.train(resume_from_checkpoint=tmp_path / "full" / "checkpoint-9")      # 2nd pass, mid-rollout
     assert [h["reward"] for h in resumed.history] == [h["reward"] for h in full.history]
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]

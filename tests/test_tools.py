@@ -483,8 +483,8 @@ def test_quantization_config_loads_a_4bit_base(smollm2, tmp_path):
     from transformers import BitsAndBytesConfig
     from grpo_lab import GRPOTrainer
     data = Dataset.from_list([{"prompt": "x", "answer": 1}])
-    trainer = GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path, lora_r=4, target_modules=["q_proj"]),
-                          train_dataset=data, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    trainer = GRPOTrainer(smollm2, product_reward, args=trainer_args(tmp_path), train_dataset=data,
+                          quantization_config=BitsAndBytesConfig(load_in_4bit=True), lora_r=4, target_modules=["q_proj"])
     kinds = {type(m).__name__ for m in trainer.accelerator.unwrap_model(trainer.model).modules()}
     assert "Linear4bit" in kinds
 

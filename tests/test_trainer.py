@@ -85,11 +85,13 @@ def test_optimizer_steps_equal_the_plan(tmp_path, kw):
 
 def test_resume_mid_rollout_matches_an_uninterrupted_run(tmp_path):
     "LoRA, two iterations and two optimizer steps per rollout: checkpoint-3 falls inside a rollout."
-    kw = dict(lora_r=4, num_iterations=2, steps_per_generation=2, save_strategy="steps", save_steps=1, max_steps=6,
+    kw = dict(num_iterations=2, steps_per_generation=2, save_strategy="steps", save_steps=1, max_steps=6,
               learning_rate=5e-3)
-    full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=arithmetic_task(32))
+    full = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "full", **kw), train_dataset=arithmetic_task(32),
+                       lora_r=4)
     full.train()
-    resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=arithmetic_task(32))
+    resumed = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "resumed", **kw), train_dataset=arithmetic_task(32),
+                          lora_r=4)
     resumed.train(resume_from_checkpoint=tmp_path / "full" / "checkpoint-3")
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
     assert [h["reward"] for h in resumed.history] == [h["reward"] for h in full.history]
@@ -240,9 +242,9 @@ def test_mask_truncated_completions_hides_them_from_the_loss_not_from_the_reward
 
 def test_qlora_trains_only_the_adapter_and_the_saved_model_loads_with_peft(tmp_path):
     from peft import AutoPeftModelForCausalLM
-    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, load_in_4bit=True, lora_r=8, max_steps=3,
-                                                              learning_rate=1e-2, save_strategy="steps"),
-                          train_dataset=arithmetic_task(32))
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=3, learning_rate=1e-2,
+                                                              save_strategy="steps"),
+                          train_dataset=arithmetic_task(32), load_in_4bit=True, lora_r=8)
     before = weights(trainer)
     trainer.train()
     after = weights(trainer)
@@ -500,9 +502,8 @@ def test_shared_prefill_falls_back_to_plain_generate():
 def test_trainer_rollout_same_with_and_without_shared_prefill(tmp_path, monkeypatch):
     "The trainer's engine (LoRA model, G=4) draws the same completions whether the prefill is shared or not."
     import grpo_lab.rollout as rollout_module
-    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, lora_r=4, lora_alpha=8, seed=3,
-                                                              max_completion_length=8),
-                          train_dataset=arithmetic_task(8, seed=1))
+    trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, seed=3, max_completion_length=8),
+                          train_dataset=arithmetic_task(8, seed=1), lora_r=4, lora_alpha=8)
     rows, group = generation_rows(trainer.train_dataset.select([0, 1]).to_list(), 4)
     monkeypatch.setitem(rollout_module.SHARED_PREFILL_MIN_FLOPS, "cpu", 0)   # the tiny model is below the default
     calls = []
