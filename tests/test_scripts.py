@@ -83,10 +83,6 @@ def test_model_init_kwargs_with_trust_remote_code_and_a_dtype(tmp_path, dataset_
     assert trainer.accelerator.unwrap_model(trainer.model).dtype == torch.float32 and trainer.state.global_step == 3
 
 
-# DTYPE BUG, NOT THIS PATTERN: fails in loss.py:81 ("expected m1 and m2 to have the same dtype, float != BFloat16")
-# until the lead's bf16 fix in 03_loss lands; then it passes (XPASS): remove this marker with that fix.
-@pytest.mark.xfail(reason="bf16 dtype bug in loss.py (issue 31 item 4, fixed separately)", raises=RuntimeError,
-                   strict=False)
 def test_a_bf16_loaded_model_trains_with_bf16(tmp_path, dataset_folder):
     "`--dtype bfloat16 --bf16 true` (a recipe on a GPU) trains to the end on the CPU too, with finite losses."
     from grpo_lab import GRPOConfig, ModelConfig, ScriptArguments, TrlParser, get_peft_config
