@@ -242,7 +242,8 @@ def test_precision_row_matches_trl(model_dtype, mixed, mode, beta, tmp_path, req
 
 def test_checkpoint_save_and_resume_on_cuda(tmp_path):
     """Four steps in one go, and two steps + a resume to four from the checkpoint: the same LoRA weights (the GPU's
-    random state is saved and restored with the rest), the resumed trainer on the GPU."""
+    random state is saved and restored with the rest), the resumed trainer on the GPU. A constant learning rate: a
+    decaying schedule over 2 steps, resumed to 4, would follow another curve than the straight run's."""
     from safetensors.torch import load_file
     from grpo_lab import GRPOTrainer
     from grpo_lab.data import arithmetic_task
@@ -250,7 +251,7 @@ def test_checkpoint_save_and_resume_on_cuda(tmp_path):
     mixed = "bf16" if DEVICE.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
 
     def run(out, max_steps, resume=None):
-        args = row_config(out, mixed, "lora", 0.0, save_strategy="steps", save_steps=1)
+        args = row_config(out, mixed, "lora", 0.0, save_strategy="steps", save_steps=1, lr_scheduler_type="constant")
         args.max_steps = max_steps
         trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(64))
         trainer.train(resume_from_checkpoint=resume)
