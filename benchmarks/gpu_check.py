@@ -1,0 +1,396 @@
+"""The GPU check: grpo-lab's CUDA tests, the benchmarks against TRL, the T4 rehearsal and the demo, in one report.
+
+Run through `bash benchmarks/gpu_check.sh` (it installs the carried wheels first); the Python part alone:
+
+    python benchmarks/gpu_check.py --out runs/gpu-check            # on a GPU machine: ~7.5 minutes at most
+    python benchmarks/gpu_check.py --out runs/gpu-check --dry-run  # on a CPU: the same stages at tiny shapes
+
+Each stage runs in its own process under a time budget (the budgets add up to under 8 minutes with the install); a
+stage that fails or runs out of time is recorded with its error and the next one runs. `--out` receives three files:
+report.json, report.md and gpu-check-logs.tar.gz (every stage's log and output files).
+
+Stages: environment (versions, GPU, what imports), cuda_tests (tests/test_cuda.py), bench_0.5b_bf16_lora and
+bench_1.5b_qlora (`grpo-lab bench` against TRL at random-weight Qwen2.5 shapes, 2 prompts x 8 completions, prompts
+of 64 tokens, completions of exactly 128, 3 steps), t4_rehearsal (the shipped colab-t4-qwen-gsm8k.yaml run with a
+local random-weight Qwen2.5-0.5B and a local GSM8K-shaped dataset, the GPU answering as a T4 does; its peak memory
+against the T4's 15,360 MiB and against estimate_memory) and demo (`grpo-lab demo`, shortened).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+T4_MEMORY_MIB = 15360                 # a Colab T4's 15 GB as torch sees it
+ESTIMATE_RTOL = 0.15                  # estimate_memory against the measured peak
+MEMORY_RATIO_LIMIT = 1.10             # grpo-lab's peak memory against TRL's on the same benchmark (issue 30: 1.65x)
+DEMO_MIN_LIFT = 0.05                  # held-out accuracy points the shortened demo must gain
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "pyarrow", "trl", "fastcore",
+            "grpo-lab")
+
+IN_PROCESS = ("cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "demo")   # the others import torch: a child each
+# name: (budget on a GPU, budget in the dry mode), seconds
+STAGES = {"environment": (25, 30), "cuda_tests": (150, 90), "bench_0.5b_bf16_lora": (60, 60),
+          "bench_1.5b_qlora": (90, 60), "t4_rehearsal": (60, 60), "demo": (60, 60)}
+BENCH = {"bench_0.5b_bf16_lora": ["--shape", "qwen2.5-0.5b", "--lora-r", "16"],
+         "bench_1.5b_qlora": ["--shape", "qwen2.5-1.5b", "--lora-r", "16", "--load-in-4bit"]}
+BENCH_SIZES = {False: ["--pd", "16", "-G", "8", "--prompt-length", "64", "--completion-length", "128", "--steps", "3"],
+               True: ["--shape", "tiny", "--lora-r", "4", "--pd", "4", "-G", "2", "--prompt-length", "16",
+                      "--completion-length", "4", "--steps", "2", "--threads", "1"]}
+DRY_CUDA_TESTS = "test_precision_row_trains and fp32-weights-bf16-mixed-lora and not beta0.04"
+
+
+# --- the stages (each runs in a child process: `gpu_check.py --stage NAME`) ----------------------------------------
+
+def check(name: str, ok, detail: str = "") -> dict:
+    "One check of a stage: ok is True, False, or None (does not apply here, e.g. a GPU figure in the dry mode)."
+    return {"name": name, "ok": None if ok is None else bool(ok), "detail": detail}
+
+
+def stage_environment(dry: bool, work: Path, deadline: float) -> dict:
+    "Versions, the GPU, and which of grpo-lab's needs import."
+    import importlib
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+    import torch
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    imports = {}
+    for module in ("grpo_lab.trainer", "bitsandbytes", "datasets", "trl", "fastcore"):
+        try:
+            importlib.import_module(module)
+            imports[module] = "ok"
+        except Exception as e:      # any import failure is a finding to report, not a crash of the check
+            imports[module] = f"{type(e).__name__}: {str(e)[:300]}"
+    cuda = torch.cuda.is_available()
+    figures = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+               "torch_cuda": torch.version.cuda, "cuda_available": cuda, "versions": versions, "imports": imports,
+               "install": _install_record()}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        figures.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),
+                       gpu_memory_mib=round(props.total_memory / 2**20), bf16_supported=torch.cuda.is_bf16_supported())
+    checks = [check("a CUDA GPU is visible", None if dry else cuda, figures.get("gpu", "none")),
+              *(check(f"{m} imports", status == "ok", status) for m, status in imports.items())]
+    return {"figures": figures, "checks": checks}
+
+
+def _install_record() -> dict | None:
+    "What gpu_check.sh installed from the wheels folder (it writes this record), if anything."
+    path = os.environ.get("GPU_CHECK_INSTALL_JSON")
+    return json.loads(Path(path).read_text()) if path and Path(path).exists() else None
+
+
+def _run(command: list[str], log: Path, deadline: float, env: dict | None = None) -> tuple[int | None, str]:
+    "Run `command` until `deadline` (its process group killed then); exit status (None: out of time) and output."
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(command)}\n")
+        f.flush()
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    return code, log.read_text(errors="replace")
+
+
+def stage_cuda_tests(dry: bool, work: Path, deadline: float) -> dict:
+    "tests/test_cuda.py (the cuda marker; the slow memory and demo tests are the stages below); the dry mode runs two."
+    command = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda and not slow", "-v", "-rs",
+               "-p", "no:cacheprovider", "--durations=10"]
+    env = {}
+    if dry:
+        command += ["-k", DRY_CUDA_TESTS]
+        env["GRPO_LAB_CUDA_TESTS_ON_CPU"] = "1"
+    code, output = _run(command, work / "pytest.log", deadline - 5, env)
+    results = dict(re.findall(r"^tests/test_cuda\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", output, re.M))
+    counts = {s.lower(): sum(v == s for v in results.values()) for s in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    failures = dict(re.findall(r"^(?:FAILED|ERROR) tests/test_cuda\.py::(\S+)(?: - (.*))?$", output, re.M))
+    skips = sorted(set(re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", output, re.M)))
+    figures = {"counts": counts, "failed": {k: v[:400] for k, v in failures.items()}, "skip_reasons": skips[:20],
+               "exit_status": code, "finished": code is not None}
+    checks = [check("pytest finished within its budget", code is not None, f"exit status {code}"),
+              check("tests ran", sum(counts.values()) > 0, json.dumps(counts)),
+              check("no test failed", counts["failed"] + counts["error"] == 0, ", ".join(list(failures)[:10]))]
+    return {"figures": figures, "checks": checks}
+
+
+def stage_bench(name: str, dry: bool, work: Path, deadline: float) -> dict:
+    "`grpo-lab bench` at one shape, against TRL where it imports; one run each, figures from bench.json."
+    from importlib.util import find_spec
+    out = work / "bench"
+    shape = [] if dry else BENCH[name]
+    extra = ["--load-in-4bit"] if dry and "qlora" in name else []
+    command = [sys.executable, "-m", "grpo_lab.bench", *shape, *BENCH_SIZES[dry], *extra, "--fixed-length",
+               "--repeats", "1", "--quiet", "--output-dir", str(out)]
+    trl = find_spec("trl") is not None and not (dry and "qlora" in name)    # dry: TRL's path is run once, not twice
+    if not trl:
+        command.append("--no-trl")
+    code, output = _run(command, work / "bench.log", deadline - 3)
+    if code != 0 or not (out / "bench.json").exists():
+        raise RuntimeError(f"grpo-lab bench {'ran out of time' if code is None else f'exited {code}'}:\n{output[-3000:]}")
+    result = json.loads((out / "bench.json").read_text())
+    keys = ("total", "generation", "forward", "backward_update", "tokens_per_s", "peak_memory_mib")
+    figures = {"description": result["description"], "trl": result["trl"], "memory_kind": result["runs"][0]["memory_kind"],
+               **{kind: {k: round(row[k], 4) for k in keys} for kind, row in result["summary"].items() if kind != "ratio"}}
+    ratio = result["summary"].get("ratio")
+    if ratio:
+        figures["ratio"] = {k: None if ratio[k] is None else round(ratio[k], 3) for k in keys}
+    memory = ratio and ratio["peak_memory_mib"]
+    checks = [check("grpo-lab ran every step", len(result["runs"][0]["steps"]) == result["settings"]["steps"]),
+              check("compared with TRL", None if dry and not trl else bool(ratio), result["trl"]),
+              check(f"peak memory <= {MEMORY_RATIO_LIMIT}x TRL's", None if dry or not memory else memory <= MEMORY_RATIO_LIMIT,
+                    f"{memory:.3f}x" if memory else "no TRL run" if not dry else "dry mode: RSS, not GPU memory")]
+    return {"figures": figures, "checks": checks}
+
+
+def _t4_model(dry: bool, folder: Path):
+    "The rehearsal's model folder (tokenizer inside): random-weight Qwen2.5-0.5B, or a tiny Qwen2 in the dry mode."
+    from transformers import GenerationConfig
+    from grpo_lab.bench import BenchSettings, bench_tokenizer, load_tokenizer, prepare_model
+    from grpo_lab.models import random_tiny_model
+    if dry:
+        tokenizer = bench_tokenizer(256)
+        model = random_tiny_model(256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=1024)
+        model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        model.save_pretrained(folder)
+    else:
+        prepare_model(BenchSettings(shape="qwen2.5-0.5b"), folder)
+        tokenizer = load_tokenizer(folder)
+    tokenizer.save_pretrained(folder)
+    return model.config if dry else None, tokenizer
+
+
+def _gsm8k_like(tokenizer, path: Path, rows: int, words: int):
+    "A local GSM8K-shaped file: questions of `words` ordinary tokens, answers ending in '#### <number>'."
+    import random
+    rng = random.Random(0)
+    vocab = [t for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t.startswith("w")]
+    with open(path, "w") as f:
+        for i in range(rows):
+            question = " ".join(rng.choice(vocab) for _ in range(words))
+            f.write(json.dumps({"question": question, "answer": f"w1 w2 w3\n#### {rng.randint(1, 999)}"}) + "\n")
+
+
+def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
+    "The shipped T4 run, a few steps, with the GPU answering as a T4 (capability 7.5, no bf16); its peak memory."
+    import torch
+    from grpo_lab.cli import load_run, resolve_reward
+    from grpo_lab.data import format_gsm8k
+    from grpo_lab.models import estimate_memory, model_config
+    from grpo_lab.trainer import GRPOTrainer
+    cuda = torch.cuda.is_available() and not dry
+    if cuda:           # what a T4 answers: grpo-lab then takes the T4's path (fp16 compute for the 4-bit layers)
+        torch.cuda.get_device_capability = lambda *a, **k: (7, 5)
+        torch.cuda.is_bf16_supported = lambda *a, **k: False
+    config, tokenizer = _t4_model(dry, work / "model")
+    _gsm8k_like(tokenizer, work / "gsm8k.jsonl", rows=64, words=40 if dry else 240)
+    overrides = {"output_dir": str(work / "out"), "max_steps": "1" if dry else "2", "save_strategy": "no",
+                 "logging_steps": "1", "report_to": "none", "disable_tqdm": "true"}
+    if dry:            # fp16 autocast needs CUDA; the rest of the run as shipped, at tiny lengths
+        overrides.update(fp16="false", use_cpu="true", max_prompt_length="32", max_completion_length="8",
+                         gradient_accumulation_steps="1")
+    model_name, dataset_spec, rewards, args = load_run(ROOT / "configs" / "colab-t4-qwen-gsm8k.yaml", overrides)
+    args.generation_kwargs = {"min_new_tokens": args.max_completion_length}        # every completion full length
+    dataset = format_gsm8k(str(work / "gsm8k.jsonl"))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    trainer = GRPOTrainer(str(work / "model"), [resolve_reward(r) for r in rewards], args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.train()
+    seconds = time.time() - started
+    if cuda:
+        peak, kind = torch.cuda.max_memory_allocated() / 2**20, "torch.cuda.max_memory_allocated"
+    else:
+        from grpo_lab.bench import peak_memory_mib
+        peak, kind = peak_memory_mib()
+    estimate = estimate_memory(config or model_config("Qwen/Qwen2.5-0.5B-Instruct"), load_in_4bit=True, lora_r=args.lora_r,
+                               num_generations=args.num_generations,
+                               per_device_train_batch_size=args.per_device_train_batch_size,
+                               max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length,
+                               gradient_checkpointing=args.gradient_checkpointing).total * 1024
+    compute = sorted({str(m.compute_dtype).removeprefix("torch.") for m in trainer.model.modules() if hasattr(m, "compute_dtype")})
+    losses = [h["loss"] for h in trainer.history]
+    figures = {"model": model_name + (" (random weights, local)" if not dry else " (dry: tiny random Qwen2)"),
+               "dataset": f"local GSM8K-shaped file, 64 rows (the shipped run reads {dataset_spec['source']})", "steps": trainer.state.global_step, "losses": losses,
+               "seconds": round(seconds, 1), "peak_memory_mib": round(peak), "memory_kind": kind,
+               "t4_limit_mib": T4_MEMORY_MIB, "estimate_mib": round(estimate),
+               "estimate_over_measured": round(estimate / peak, 3), "bf16": args.bf16, "fp16": args.fp16,
+               "compute_dtypes_4bit": compute, "lengths": f"{args.max_prompt_length}+{args.max_completion_length}",
+               "completions_per_micro_step": args.per_device_train_batch_size,
+               "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    checks = [check("trained with finite losses", losses and all(math.isfinite(x) for x in losses), str(losses)),
+              check("T4 path: fp16 compute, bf16 off", None if dry else (compute == ["float16"] and not args.bf16 and args.fp16),
+                    f"compute {compute}, bf16={args.bf16}, fp16={args.fp16}"),
+              check(f"peak memory under the T4's {T4_MEMORY_MIB} MiB", None if dry else peak < T4_MEMORY_MIB, f"{peak:.0f} MiB"),
+              check(f"estimate_memory within {ESTIMATE_RTOL:.0%} of the peak",
+                    None if dry else abs(estimate / peak - 1) <= ESTIMATE_RTOL, f"estimate {estimate:.0f} MiB, peak {peak:.0f} MiB")]
+    return {"figures": figures, "checks": checks}
+
+
+def stage_demo(dry: bool, work: Path, deadline: float) -> dict:
+    "`grpo-lab demo` on the tiny model, shortened (300 steps on a GPU; 2 in the dry mode): held-out accuracy rises."
+    steps, size, every = (2, 10, 2) if dry else (300, 500, 150)
+    command = [sys.executable, "-m", "grpo_lab.cli", "demo", "--steps", str(steps), "--eval-size", str(size),
+               "--eval-every", str(every), "--output-dir", str(work / "demo"), "--overwrite"]
+    code, output = _run(command, work / "demo.log", deadline - 3)
+    summary_file = work / "demo" / "summary.json"
+    if code != 0 or not summary_file.exists():
+        raise RuntimeError(f"grpo-lab demo {'ran out of time' if code is None else f'exited {code}'}:\n{output[-3000:]}")
+    s = json.loads(summary_file.read_text())
+    lift = s["accuracy_after"] - s["accuracy_before"]
+    figures = {k: s[k] for k in ("steps", "seconds", "seconds_per_step", "accuracy_before", "accuracy_after", "eval_problems")}
+    figures["lift_points"] = round(100 * lift, 1)
+    checks = [check("ran every step", s["steps"] == steps, str(s["steps"])),
+              check(f"held-out accuracy rose by >= {DEMO_MIN_LIFT * 100:.0f} points", None if dry else lift >= DEMO_MIN_LIFT,
+                    f"{100 * s['accuracy_before']:.1f}% -> {100 * s['accuracy_after']:.1f}%")]
+    return {"figures": figures, "checks": checks}
+
+
+def run_stage(name: str, dry: bool, work: Path, deadline: float) -> dict:
+    if name.startswith("bench_"):
+        return stage_bench(name, dry, work, deadline)
+    return globals()[f"stage_{name}"](dry, work, deadline)
+
+
+# --- the driver --------------------------------------------------------------------------------------------------
+
+def drive(names: list[str], dry: bool, work: Path, budget: float) -> list[dict]:
+    "Run each stage in a child process under its budget (clipped to what is left); record its outcome."
+    end, results = time.time() + budget, []
+    for name in names:
+        left = end - time.time()
+        stage_budget = min(STAGES[name][1 if dry else 0], left - 5)
+        folder = work / name
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"name": name, "budget_s": round(max(stage_budget, 0)), "seconds": 0.0, "figures": {}, "checks": []}
+        if stage_budget < 10:
+            results.append({**record, "status": "skipped", "error": f"out of time: {left:.0f} s of the {budget:.0f} s left"})
+            continue
+        started = time.time()
+        print(f"[gpu-check] {name}: up to {stage_budget:.0f} s", flush=True)
+        result_file = folder / "result.json"
+        if name in IN_PROCESS:              # these only drive commands and read their files: no torch import here
+            try:
+                result_file.write_text(json.dumps(run_stage(name, dry, folder, started + stage_budget), default=str))
+                code, output = 0, ""
+            except Exception as e:          # a stage's failure is recorded, and the next stage runs
+                import traceback
+                code, output = 1, "".join(traceback.format_exception(e))
+                if "ran out of time" in str(e):
+                    code = None
+        else:
+            command = [sys.executable, __file__, "--stage", name, "--work", str(folder), "--deadline",
+                       str(started + stage_budget)] + (["--dry-run"] if dry else [])
+            code, output = _run(command, folder / "stage.log", started + stage_budget + 5)
+        record["seconds"] = round(time.time() - started, 1)
+        if result_file.exists():
+            record.update(json.loads(result_file.read_text()))
+        if code is None:
+            record.update(status="timeout", error=f"stopped after {stage_budget:.0f} s: {output[-1500:]}")
+        elif code != 0 or not result_file.exists():
+            record.update(status="failed", error=record.get("error") or f"exit {code}: {output[-1500:]}")
+        else:
+            failed = [c["name"] for c in record["checks"] if c["ok"] is False]
+            record.update(status="failed" if failed else "passed", error=f"checks failed: {failed}" if failed else None)
+        print(f"[gpu-check] {name}: {record['status']} in {record['seconds']} s", flush=True)
+        results.append(record)
+    return results
+
+
+def markdown(report: dict) -> str:
+    "The report as Markdown: what ran where, a table of stages, then each stage's figures and failed checks."
+    m = report["machine"]
+    lines = [f"# grpo-lab GPU check ({'DRY RUN on the CPU: no figure here is a GPU measurement' if report['dry_run'] else 'GPU'})",
+             "", f"{report['finished']}, {report['seconds']} s of the {report['budget_s']} s budget; "
+             f"GPU: {m.get('gpu') or 'none'}; torch {m['versions'].get('torch')} (CUDA {m.get('torch_cuda')}), "
+             f"transformers {m['versions'].get('transformers')}, trl {m['versions'].get('trl')}, "
+             f"bitsandbytes {m['versions'].get('bitsandbytes')}.", "",
+             f"**{report['summary']['passed']} of {len(report['stages'])} stages passed**"
+             + (f"; failed: {', '.join(report['summary']['not_passed'])}" if report["summary"]["not_passed"] else ""), "",
+             "| stage | status | seconds (budget) | checks |", "|---|---|---|---|"]
+    for s in report["stages"]:
+        marks = " ".join({True: "ok", False: "FAIL", None: "n/a"}[c["ok"]] + f": {c['name']}" for c in s["checks"])
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} ({s['budget_s']}) | {marks or '-'} |")
+    for s in report["stages"]:
+        lines += ["", f"## {s['name']}: {s['status']}", ""]
+        if s.get("error"):
+            lines += ["```", str(s["error"])[-2000:], "```", ""]
+        for c in s["checks"]:
+            if c["ok"] is False or c["detail"]:
+                lines.append(f"- {'FAIL' if c['ok'] is False else 'ok' if c['ok'] else 'n/a'} {c['name']}: {c['detail']}")
+        if s["figures"]:
+            lines += ["", "```json", json.dumps(s["figures"], indent=1)[:4000], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="where the report goes")
+    p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY") == "1",
+                   help="the same stages at tiny shapes on the CPU (also GPU_CHECK_DRY=1)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for all stages (default 450 on a GPU, 300 dry)")
+    p.add_argument("--only", default=None, help="comma-separated stage names (default: all, in order)")
+    p.add_argument("--keep-work", action="store_true", help="keep the stages' folders (models, runs) under --out/work")
+    p.add_argument("--stage", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.stage:                                   # a child: one stage, its result as JSON in its folder
+        work = Path(a.work)
+        result = run_stage(a.stage, a.dry_run, work, a.deadline)
+        (work / "result.json").write_text(json.dumps(result, indent=1, default=str))
+        return 0
+    names = a.only.split(",") if a.only else list(STAGES)
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        p.error(f"unknown stage(s) {unknown}: pick from {list(STAGES)}")
+    budget = a.budget or (300 if a.dry_run else 450)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    work = out / "work" if a.keep_work else Path(tempfile.mkdtemp(prefix="grpo-lab-gpu-check-"))
+    stages = drive(names, a.dry_run, work, budget)
+    env = next((s["figures"] for s in stages if s["name"] == "environment" and s["figures"]), None)
+    if env is None:
+        env = stage_environment(a.dry_run, work, time.time() + 30)["figures"]
+    report = {"dry_run": a.dry_run, "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "seconds": round(time.time() - started, 1), "budget_s": budget, "machine": env, "stages": stages,
+              "summary": {"passed": sum(s["status"] == "passed" for s in stages),
+                          "not_passed": [s["name"] for s in stages if s["status"] != "passed"]}}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(markdown(report))
+    with tarfile.open(out / "gpu-check-logs.tar.gz", "w:gz") as tar:
+        for path in sorted(work.rglob("*")):
+            if path.is_file() and (path.suffix in (".log", ".json", ".png", ".jsonl") and path.stat().st_size < 5e6):
+                tar.add(path, arcname=str(path.relative_to(work)))
+    if not a.keep_work:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"[gpu-check] {report['summary']['passed']} of {len(stages)} stages passed; wrote {out}/report.json, "
+          f"report.md and gpu-check-logs.tar.gz", flush=True)
+    return 0 if not report["summary"]["not_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
