@@ -34,13 +34,13 @@ from .data import arithmetic_task, render_prompt
 from .loss import _unwrap, completion_logps
 
 # %% auto 0
-__all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'SMOLLM2_HUB_ID',
-           'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'SMOLLM2_HUB_FILES', 'GIB', 'tiny_tokenizer', 'random_tiny_model',
-           'eos_token_ids', 'greedy_completions', 'greedy_accuracy', 'sft_batch', 'train_tiny_model', 'tiny_model_path',
-           'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for', 'linear_module_names', 'load_policy',
-           'check_checkpoint_matches', 'make_reference', 'reference_logps', 'model_from_gguf', 'smollm2_wheel',
-           'smollm2_source', 'smollm2_path', 'configs_path', 'model_config', 'MemoryEstimate', 'estimate_memory',
-           'plot_memory']
+__all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'REFERENCE_ADAPTER',
+           'SMOLLM2_HUB_ID', 'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'SMOLLM2_HUB_FILES', 'GIB', 'tiny_tokenizer',
+           'random_tiny_model', 'eos_token_ids', 'greedy_completions', 'greedy_accuracy', 'sft_batch',
+           'train_tiny_model', 'tiny_model_path', 'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for',
+           'linear_module_names', 'load_policy', 'check_checkpoint_matches', 'make_reference', 'reference_logps',
+           'model_from_gguf', 'smollm2_wheel', 'smollm2_source', 'smollm2_path', 'configs_path', 'model_config',
+           'MemoryEstimate', 'estimate_memory', 'plot_memory']
 
 # %% ../nbs/05_models.ipynb
 SPECIAL_TOKENS = ("<|endoftext|>", "<|unk|>")
@@ -544,7 +544,10 @@ def make_reference(model, beta: float):
     "The frozen reference policy for the KL term: None with LoRA (disable the adapter instead) or beta == 0."
     if beta < 0:
         raise ValueError(f"beta={beta}: the KL coefficient must be >= 0 (0 turns the KL term off).")
-    if beta == 0 or _is_peft_model(model):
+    if beta == 0:
+        return None
+    if _is_peft_model(model):
+        _add_reference_adapter(model)
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
@@ -563,8 +566,44 @@ def reference_logps(model, ref_model, input_ids: torch.Tensor, attention_mask: t
     if not _is_peft_model(model):
         raise ValueError("no reference policy: ref_model is None and the model has no LoRA adapter to disable. "
                          "Use make_reference(model, beta) with beta > 0, or skip the KL term when beta == 0.")
+    if REFERENCE_ADAPTER in model.peft_config:
+        active = model.active_adapter
+        model.set_adapter(REFERENCE_ADAPTER)      # peft makes the adapter it activates trainable: restore both after
+        try:
+            return completion_logps(model, *args)[0]
+        finally:
+            model.set_adapter(active)
+            _freeze_adapter(model, REFERENCE_ADAPTER)
     with model.disable_adapter():
         return completion_logps(model, *args)[0]
+
+
+REFERENCE_ADAPTER = "ref"
+
+
+def _freeze_adapter(model, name: str) -> None:
+    "No gradient for adapter `name`'s weights."
+    for param_name, param in model.named_parameters():
+        if f".{name}." in param_name:
+            param.requires_grad_(False)
+
+
+@torch.no_grad()
+def _add_reference_adapter(model) -> None:
+    """With beta > 0, a PeftModel that arrives with a trained adapter keeps a frozen copy of it as the reference
+    (TRL 1.16's "ref" adapter): the base model with the adapter disabled is the reference only while the adapter is
+    still zero (a fresh LoRA's B), which is what grpo-lab's own adapters start from, so those need no copy."""
+    active = model.active_adapter
+    lora_b = [p for n, p in model.named_parameters() if f"lora_B.{active}." in n]
+    if REFERENCE_ADAPTER in model.peft_config or not any(p.any() for p in lora_b):
+        return
+    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[active])
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if f".{active}." in name:
+            params[name.replace(f".{active}.", f".{REFERENCE_ADAPTER}.")].copy_(param)
+    model.set_adapter(active)
+    _freeze_adapter(model, REFERENCE_ADAPTER)
 
 # %% ../nbs/05_models.ipynb
 def model_from_gguf(gguf_path, output_dir) -> Path:

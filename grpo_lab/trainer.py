@@ -93,7 +93,8 @@ class GRPOTrainer(TrainerSurface):
         warn_length_weighted_sequences(args)
         self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
                                        cpu=args.use_cpu)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+        self.autocast_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+                               if self.accelerator.native_amp else None)    # accelerate runs fp16 on a CPU in fp32
         n_proc = self.accelerator.num_processes
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
@@ -403,7 +404,7 @@ def _optimizer_step(trainer: GRPOTrainer, losses: list[float], stats: list[dict]
     acc, args, state = trainer.accelerator, trainer.args, trainer.state
     clip = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else float("inf")
     grad_norm = float(acc.clip_grad_norm_(trainer.model.parameters(), clip))   # then the callbacks (HF Trainer)
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) and acc.scaler is None:   # fp16's loss scaler skips an overflow step instead
         trainer.optimizer.zero_grad()
         raise NonFiniteLossError(f"the gradient norm at step {state.global_step + 1} is {grad_norm}; the weights were "
                                  f"not updated. Lower learning_rate or check the rewards. "
@@ -412,7 +413,8 @@ def _optimizer_step(trainer: GRPOTrainer, losses: list[float], stats: list[dict]
     trainer.control = trainer.callback_handler.on_pre_optimizer_step(args, state, trainer.control)
     trainer.optimizer.step()
     trainer.control = trainer.callback_handler.on_optimizer_step(args, state, trainer.control)
-    trainer.lr_scheduler.step()
+    if not acc.optimizer_step_was_skipped:      # an fp16 overflow: the scaler halved its scale, the weights stayed
+        trainer.lr_scheduler.step()
     trainer.optimizer.zero_grad()
     return {"loss": sum(losses), "grad_norm": grad_norm, "learning_rate": learning_rate,
             **rollout.metrics, **_reduce_stats(stats), **_entropy_metrics(trainer)}
@@ -513,7 +515,7 @@ def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
     with acc.no_sync(trainer.model) if not step.sync else contextlib.nullcontext():
         loss, stats = _micro_batch_loss(trainer, step.batch)
         _keep_old_logps(trainer, step)
-        if not torch.isfinite(loss):
+        if not torch.isfinite(loss) and acc.scaler is None:    # under fp16 the scaler skips the step instead
             raise NonFiniteLossError(f"the loss at step {trainer.state.global_step + 1} is {loss.item()}; the weights "
                                      f"were not updated. {_resume_hint(trainer._last_checkpoint)}")
         acc.backward(loss)
