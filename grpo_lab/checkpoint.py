@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -127,6 +128,13 @@ def save_checkpoint(output_dir, step: int, accelerator, main_files: Callable[[Pa
     return final
 
 # %% ../nbs/06c_checkpoint.ipynb
+def _last_words(error: Exception, limit: int = 160) -> str:
+    "The last line of a library's message, without its source-location prefix ('[enforce fail at x.cc:672] . ')."
+    lines = str(error).strip().splitlines() or [""]
+    text = re.sub(r"^\[[^\]]*\][\s.]*", "", lines[-1])
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _save_failed(out: Path, final: Path, tmp: Path, error: Exception, main_process: bool) -> OSError:
     "The error for a save that failed part-way, once its partial folder is removed: the cause, the free space, what survives."
     free = shutil.disk_usage(out).free
@@ -134,7 +142,7 @@ def _save_failed(out: Path, final: Path, tmp: Path, error: Exception, main_proce
     if main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     kept = latest_checkpoint(out)
-    cause = error.strerror if isinstance(error, OSError) and error.strerror else short_repr(str(error), 160)
+    cause = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {_last_words(error)}"
     disk = f"; the disk is full ({free / 2**20:.1f} MiB free)" if full else ""
     fix = ("free some space (save_total_limit keeps fewer checkpoints)" if full else "fix the cause")
     return OSError(errno.ENOSPC if full else getattr(error, "errno", None) or errno.EIO,

@@ -162,7 +162,7 @@ def _coerce_numbers(cfg) -> None:
         try:
             setattr(cfg, f.name, kind(float(value)) if kind is int and float(value).is_integer() else kind(value))
         except ValueError:
-            raise ValueError(f"{f.name}={short_repr(value)} is not a number: give a {kind.__name__} "
+            raise ValueError(f"{f.name}={short_repr(value)} is not a number: give {'a whole number' if kind is int else 'a number'} "
                              f"such as {f.name}={f.default!r}.") from None
 
 # %% ../nbs/06a_config.ipynb
