@@ -212,11 +212,21 @@ def resolve_resume(resume_from_checkpoint, output_dir) -> Path | None:
 RUN_LOGS = ("metrics.jsonl", "completions.jsonl")
 
 
+def _logs_training(path: Path) -> bool:
+    "Whether a log holds a training step's line (step >= 1, or a line that is not JSON); evaluations before training do not count."
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line).get("step", 1) >= 1:
+                return True
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            return True
+    return False
+
+
 def run_record(output_dir) -> list[Path]:
-    "What a previous run left in `output_dir`: its `checkpoint-*` folders and non-empty logs."
+    "What a previous run left in `output_dir`: its `checkpoint-*` folders and the logs of its training steps."
     out = Path(output_dir)
-    logs = [out / name for name in RUN_LOGS if (out / name).is_file() and (out / name).stat().st_size]
-    return _checkpoints(out) + logs
+    return _checkpoints(out) + [out / name for name in RUN_LOGS if (out / name).is_file() and _logs_training(out / name)]
 
 
 def _describe(record: list[Path]) -> str:
@@ -225,9 +235,10 @@ def _describe(record: list[Path]) -> str:
     return ", ".join(names[:4] + ([f"{len(names) - 4} more"] if len(names) > 4 else []))
 
 
-def claim_output_dir(output_dir, resume: Path | None, overwrite: bool = False) -> None:
+def claim_output_dir(output_dir, resume: Path | None, overwrite: bool = False, main_process: bool = True) -> None:
     """Before a run writes to `output_dir`: no link out of it; a fresh run (or one resumed from a checkpoint elsewhere)
-    needs a folder without another run's record, or `overwrite=True`, which deletes that record first."""
+    needs a folder without another run's record, or `overwrite=True`, which deletes that record first (the main process
+    deletes; every process checks)."""
     out = Path(output_dir)
     check_links(out)
     if resume is not None and Path(resume).resolve().parent == out.resolve():
@@ -238,6 +249,8 @@ def claim_output_dir(output_dir, resume: Path | None, overwrite: bool = False) -
                          "logs and leave its checkpoints beside this run's, where resume_from_checkpoint=True could pick "
                          "them. Resume it (train(resume_from_checkpoint=True)), choose a new output_dir, or set "
                          "overwrite_output_dir=True to delete that run's checkpoints and logs first.")
+    if not main_process:
+        return
     for path in record + sorted(out.glob("tmp-checkpoint-*")):
         path.unlink() if path.is_symlink() or not path.is_dir() else shutil.rmtree(path)
 

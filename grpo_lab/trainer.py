@@ -609,7 +609,8 @@ def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Posit
     "Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start (None: finished)."
     args = trainer.args
     path = resolve_resume(resume_from_checkpoint, args.output_dir)
-    claim_output_dir(args.output_dir, path, getattr(args, "overwrite_output_dir", False))   # one folder, one run
+    claim_output_dir(args.output_dir, path, getattr(args, "overwrite_output_dir", False),   # one folder, one run
+                     trainer.accelerator.is_main_process)
     start, rollout = trainer.load_checkpoint(path) if path is not None else (Position(), None)
     state = trainer.state
     state.max_steps, state.num_train_epochs = trainer.plan.total_optimizer_steps, int(args.num_train_epochs)

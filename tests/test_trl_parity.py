@@ -8,7 +8,7 @@ from grpo_lab import GRPOConfig
 trl = pytest.importorskip("trl")
 
 GRPO_LAB_ONLY = {"max_prompt_length", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout", "target_modules",
-                 "vllm_dtype"}
+                 "vllm_dtype", "overwrite_output_dir"}
 
 
 def defaults(cls) -> dict:
