@@ -5,16 +5,19 @@
 # %% ../nbs/06c_checkpoint.ipynb 5
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import TrainerState
 
 from .batching import short_repr
@@ -23,9 +26,10 @@ from .models import check_checkpoint_matches
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'CHECKPOINT_FILES', 'rng_state', 'set_rng_state', 'fsync_tree', 'save_main_files', 'batch_options',
-           'save_checkpoint', 'checkpoint_step', 'rotate_checkpoints', 'missing_files', 'latest_checkpoint',
-           'resolve_resume', 'load_tensors', 'load_weights', 'load_checkpoint']
+__all__ = ['logger', 'CHECKPOINT_FILES', 'RUN_LOGS', 'rng_state', 'set_rng_state', 'fsync_tree', 'inside', 'check_links',
+           'save_main_files', 'batch_options', 'save_checkpoint', 'checkpoint_step', 'rotate_checkpoints',
+           'missing_files', 'latest_checkpoint', 'resolve_resume', 'run_record', 'claim_output_dir', 'load_tensors',
+           'load_weights', 'load_checkpoint']
 
 # %% ../nbs/06c_checkpoint.ipynb
 def rng_state() -> dict:
@@ -61,6 +65,27 @@ def fsync_tree(path: Path):
         os.close(fd)
 
 # %% ../nbs/06c_checkpoint.ipynb
+def inside(output_dir, name) -> Path:
+    "`output_dir/name` as the path to write, refused when a symbolic link on the way leads out of `output_dir`."
+    root, path = Path(output_dir).resolve(), Path(output_dir) / name
+    target = path.resolve()
+    if target != root and not target.is_relative_to(root):
+        raise ValueError(f"{path} is a symbolic link (or lies in one) that leads to {target}, outside output_dir "
+                         f"{root}: grpo-lab writes only inside output_dir, never through a link out of it. Remove the "
+                         "link, or choose another output_dir.")
+    return target
+
+
+def check_links(output_dir) -> None:
+    "Refuse an `output_dir` holding a symbolic link that leads out of it (checkpoints and the final model are written there)."
+    if not Path(output_dir).is_dir():
+        return
+    for entry in sorted(Path(output_dir).iterdir()):
+        if entry.is_symlink():
+            inside(output_dir, entry.name)
+
+
+# %% ../nbs/06c_checkpoint.ipynb
 def save_main_files(path: Path, model, tokenizer, optimizer, scheduler, state: TrainerState, info: dict):
     "Weights (safetensors), tokenizer, optimizer, scheduler, the trainer state and grpo-lab's `info` (JSON)."
     model.save_pretrained(path)
@@ -82,7 +107,7 @@ def save_checkpoint(output_dir, step: int, accelerator, main_files: Callable[[Pa
                     save_total_limit: int | None = None, keep: str | None = None) -> Path:
     "Write `output_dir/checkpoint-<step>/` atomically: `main_files(folder)` on the main process, `process_state` on each."
     acc, out = accelerator, Path(output_dir)
-    final, tmp = out / f"checkpoint-{step}", out / f"tmp-checkpoint-{step}"
+    final, tmp = inside(out, f"checkpoint-{step}"), inside(out, f"tmp-checkpoint-{step}")
     acc.wait_for_everyone()
     try:
         if acc.is_main_process:
@@ -97,12 +122,34 @@ def save_checkpoint(output_dir, step: int, accelerator, main_files: Callable[[Pa
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             rotate_checkpoints(out, save_total_limit, keep)
-    except OSError as e:
-        kept = latest_checkpoint(out)
-        raise OSError(e.errno, f"saving {final.name} failed ({e.strerror}{': the disk is full' if e.errno == 28 else ''}); "
-                      f"the newest complete checkpoint is {kept.name if kept else 'none'}.") from e
+    except (OSError, RuntimeError, SafetensorError) as e:       # torch.save reports a full disk as "unexpected pos"
+        raise _save_failed(out, final, tmp, e, acc.is_main_process) from None
     acc.wait_for_everyone()
     return final
+
+# %% ../nbs/06c_checkpoint.ipynb
+def _last_words(error: Exception, limit: int = 160) -> str:
+    "The last line of a library's message, without its source-location prefix ('[enforce fail at x.cc:672] . ')."
+    lines = str(error).strip().splitlines() or [""]
+    text = re.sub(r"^\[[^\]]*\][\s.]*", "", lines[-1])
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _save_failed(out: Path, final: Path, tmp: Path, error: Exception, main_process: bool) -> OSError:
+    "The error for a save that failed part-way, once its partial folder is removed: the cause, the free space, what survives."
+    free = shutil.disk_usage(out).free
+    full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error) or free < 2**20
+    if main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = latest_checkpoint(out)
+    cause = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {_last_words(error)}"
+    disk = f"; the disk is full ({free / 2**20:.1f} MiB free)" if full else ""
+    fix = ("free some space (save_total_limit keeps fewer checkpoints)" if full else "fix the cause")
+    return OSError(errno.ENOSPC if full else getattr(error, "errno", None) or errno.EIO,
+                   f"saving {final.name} failed ({cause}){disk}; the partial {tmp.name} was removed and the newest "
+                   f"complete checkpoint is {kept.name if kept else 'none'}: {fix}, then resume with "
+                   "train(resume_from_checkpoint=True).")
+
 
 # %% ../nbs/06c_checkpoint.ipynb
 def checkpoint_step(path: Path) -> int | None:
@@ -160,6 +207,53 @@ def resolve_resume(resume_from_checkpoint, output_dir) -> Path | None:
         raise FileNotFoundError(f"{path} is not a complete grpo-lab checkpoint (missing {', '.join(missing)}); pass a "
                                 f"folder like {Path(output_dir) / 'checkpoint-100'}, or True for the newest complete one.")
     return path
+
+# %% ../nbs/06c_checkpoint.ipynb
+RUN_LOGS = ("metrics.jsonl", "completions.jsonl")
+
+
+def _logs_training(path: Path) -> bool:
+    "Whether a log holds a training step's line (step >= 1, or a line that is not JSON); evaluations before training do not count."
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line).get("step", 1) >= 1:
+                return True
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            return True
+    return False
+
+
+def run_record(output_dir) -> list[Path]:
+    "What a previous run left in `output_dir`: its `checkpoint-*` folders and the logs of its training steps."
+    out = Path(output_dir)
+    return _checkpoints(out) + [out / name for name in RUN_LOGS if (out / name).is_file() and _logs_training(out / name)]
+
+
+def _describe(record: list[Path]) -> str:
+    "checkpoint-1, checkpoint-2, metrics.jsonl (12 lines)"
+    names = [p.name + (f" ({len(p.read_text().splitlines())} lines)" if p.is_file() else "") for p in record]
+    return ", ".join(names[:4] + ([f"{len(names) - 4} more"] if len(names) > 4 else []))
+
+
+def claim_output_dir(output_dir, resume: Path | None, overwrite: bool = False, main_process: bool = True) -> None:
+    """Before a run writes to `output_dir`: no link out of it; a fresh run (or one resumed from a checkpoint elsewhere)
+    needs a folder without another run's record, or `overwrite=True`, which deletes that record first (the main process
+    deletes; every process checks)."""
+    out = Path(output_dir)
+    check_links(out)
+    if resume is not None and Path(resume).resolve().parent == out.resolve():
+        return                                   # the run goes on; its log is rewritten from the checkpoint's history
+    record = run_record(out)
+    if record and not overwrite:
+        raise ValueError(f"output_dir {out} holds a previous run ({_describe(record)}): a new run would replace its "
+                         "logs and leave its checkpoints beside this run's, where resume_from_checkpoint=True could pick "
+                         "them. Resume it (train(resume_from_checkpoint=True)), choose a new output_dir, or set "
+                         "overwrite_output_dir=True to delete that run's checkpoints and logs first.")
+    if not main_process:
+        return
+    for path in record + sorted(out.glob("tmp-checkpoint-*")):
+        path.unlink() if path.is_symlink() or not path.is_dir() else shutil.rmtree(path)
+
 
 # %% ../nbs/06c_checkpoint.ipynb
 def load_tensors(path: Path, what: str):

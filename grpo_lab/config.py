@@ -123,6 +123,8 @@ class GRPOConfig(TrainingArguments):
     transformers_continuous_batching_config: dict | str | None = None
     use_transformers_paged: bool = False
     vllm_importance_sampling_cap: float | None = None
+    # the output folder (06c_checkpoint): a new run replaces a previous run's checkpoints and logs only when True
+    overwrite_output_dir: bool = False
     # grpo-lab's own
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
@@ -132,6 +134,7 @@ class GRPOConfig(TrainingArguments):
         _coerce_numbers(self)
         _refuse_unsupported(self)
         self.bf16 = _resolve_bf16(self.bf16, self.fp16, self.use_cpu)
+        _check_values(self)
         with warnings.catch_warnings():      # transformers 5 renames gradient_checkpointing; TRL still passes it
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
             super().__post_init__()
@@ -142,7 +145,7 @@ class GRPOConfig(TrainingArguments):
 # %% ../nbs/06a_config.ipynb
 def _numeric_type(annotation) -> type | None:
     "float or int when a field's annotation says so (e.g. 'float | None'), else None."
-    text = str(annotation)
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)   # int, or 'int | None'
     if "str" in text or "dict" in text or "list" in text:
         return None
     return float if "float" in text else int if text.startswith("int") else None
@@ -157,7 +160,7 @@ def _coerce_numbers(cfg) -> None:
         try:
             setattr(cfg, f.name, kind(float(value)) if kind is int and float(value).is_integer() else kind(value))
         except ValueError:
-            raise ValueError(f"{f.name}={short_repr(value)} is not a number: give a {kind.__name__} "
+            raise ValueError(f"{f.name}={short_repr(value)} is not a number: give {'a whole number' if kind is int else 'a number'} "
                              f"such as {f.name}={f.default!r}.") from None
 
 # %% ../nbs/06a_config.ipynb
@@ -255,6 +258,53 @@ def _check_ranges(cfg) -> None:
     _check(not (cfg.bf16 and cfg.fp16), "bf16=True and fp16=True: choose one mixed-precision mode.")
     _check(not (cfg.sync_ref_model and cfg.beta == 0), "sync_ref_model=True needs a reference model, which beta=0 "
            "does not create: set beta > 0 or sync_ref_model=False.")
+
+# %% ../nbs/06a_config.ipynb
+import difflib
+
+from transformers.trainer_utils import SchedulerType
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+
+def _strategy(value) -> str:
+    "An IntervalStrategy or its name, as a plain name ('steps', 'epoch', 'no')."
+    return str(getattr(value, "value", value))
+
+
+def _closest(value, names) -> str:
+    "' (did you mean ...?)' for a near miss among `names`, else ''."
+    near = difflib.get_close_matches(str(value), names, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _check_values(cfg) -> None:
+    """The values TrainingArguments, transformers' generation or torch's optimizer would refuse later with their own
+    words: checked first, with grpo-lab's (the value, the rule, the fix)."""
+    _check(not (cfg.bf16 and cfg.fp16), f"bf16={cfg.bf16} and fp16={cfg.fp16}: both mixed-precision modes are set; "
+           "choose one (fp16 on a T4 or older GPU, bf16 on Ampere and newer), or neither for float32.")
+    _check(not cfg.bf16 or cfg.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available(),
+           "bf16=True but this machine has no GPU with bfloat16; set bf16=False (or leave bf16=None, which picks bf16 "
+           "only where the GPU has it), use fp16=True on an older GPU, or use_cpu=True for bf16 autocast on the CPU.")
+    for kind in ("logging", "save", "eval"):
+        steps, strategy = getattr(cfg, f"{kind}_steps"), _strategy(getattr(cfg, f"{kind}_strategy"))
+        _check(strategy != "steps" or steps is None or steps > 0,
+               f"{kind}_steps={steps} with {kind}_strategy='steps': it must be > 0 (a number of optimizer steps, or "
+               f"a fraction below 1 of the run); set {kind}_strategy='no' to turn it off.")
+    _check(cfg.top_k >= 0, f"top_k={cfg.top_k} must be >= 0: 0 turns top-k filtering off (vLLM writes that -1; "
+           "grpo-lab and TRL write 0).")
+    _check(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"min_p={cfg.min_p} must be in [0, 1] (0.01-0.2 is usual), or None.")
+    _check(cfg.repetition_penalty > 0, f"repetition_penalty={cfg.repetition_penalty} must be > 0; 1.0 turns it off.")
+    schedulers = [s.value for s in SchedulerType]
+    _check(_strategy(cfg.lr_scheduler_type) in schedulers,
+           f"lr_scheduler_type={short_repr(cfg.lr_scheduler_type)} is not a learning-rate schedule"
+           f"{_closest(cfg.lr_scheduler_type, schedulers)}; the schedules are {', '.join(schedulers)}.")
+    _check(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0 (0 turns it off; 0.01-0.1 is usual).")
+    _check(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1,
+           f"adam_beta1={cfg.adam_beta1} and adam_beta2={cfg.adam_beta2} must be in [0, 1) (defaults 0.9 and 0.999).")
+    _check(cfg.adam_epsilon >= 0, f"adam_epsilon={cfg.adam_epsilon} must be >= 0 (default 1e-8).")
+    _check(isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed < 2**32,
+           f"seed={short_repr(cfg.seed)} must be a whole number in [0, 2**32) (numpy's range), such as seed=42.")
+
 
 # %% ../nbs/06a_config.ipynb
 def as_dict(value) -> dict:

@@ -287,6 +287,42 @@ def _check_model_folder(path: Path, needs_tokenizer: bool) -> None:
                          "tokenizer.save_pretrained(folder).")
 
 # %% ../nbs/05_models.ipynb
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+
+def _safetensors_short(file: Path) -> str | None:
+    "Why a .safetensors file cannot be whole (cut short, or a damaged header), or None when its size matches its header."
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else None
+        if header_len is None or size < 8 + header_len:
+            return f"cut short ({size} bytes, less than its own header)"
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "damaged (its header is not readable)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    return None if size >= 8 + header_len + end else f"cut short ({size:,} bytes of the {8 + header_len + end:,} its header describes)"
+
+
+def _check_loadable(folder: Path, trust_remote_code: bool) -> None:
+    "A model folder's weights are whole, and custom code is run only when asked (before transformers loads anything)."
+    for file in sorted(folder.glob("*.safetensors")):
+        why = _safetensors_short(file)
+        if why:
+            raise ValueError(f"{file} is {why}: the download or copy was interrupted. Download or copy the model "
+                             "again (huggingface-cli download <id> --local-dir <folder>), or pass another folder.")
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    auto_map, model_type = config.get("auto_map") or {}, config.get("model_type")
+    if auto_map and model_type not in CONFIG_MAPPING and not trust_remote_code:
+        code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()))
+        raise ValueError(f"model folder {str(folder)!r} has model_type={model_type!r}, which transformers does not know: "
+                         f"its own code ({code}, in {folder}) would build it, and loading runs that code. Read it, then "
+                         "pass trust_remote_code=True (GRPOConfig(trust_remote_code=True)) if you trust it.")
+
+
+# %% ../nbs/05_models.ipynb
 def _check_bitsandbytes(device: torch.device) -> None:
     "Raise a clear error when 4-bit loading cannot work here."
     try:
@@ -428,6 +464,7 @@ def load_policy(model_name_or_path, *, tokenizer=None, load_in_4bit: bool = Fals
         name = str(model_name_or_path)
         if Path(name).expanduser().exists():
             _check_model_folder(Path(name).expanduser(), needs_tokenizer=tokenizer is None)
+            _check_loadable(Path(name).expanduser(), trust_remote_code or bool(model_init_kwargs.get("trust_remote_code")))
         model = _load_model(name, _load_kwargs(device, load_in_4bit, adapter is not None, torch_dtype, device_map,
                                                trust_remote_code, model_init_kwargs))
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(name, model, trust_remote_code)

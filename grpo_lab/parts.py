@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
-           'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process', 'completion_room', 'Callbacks',
-           'make_callbacks']
+           'warn_fp16_without_gpu', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process',
+           'completion_room', 'Callbacks', 'make_callbacks']
 
 # %% ../nbs/06h_parts.ipynb
 def check_output_dir(output_dir) -> None:
@@ -118,6 +118,14 @@ def warn_length_weighted_sequences(args) -> None:
         logger.warning("importance_sampling_level='sequence' with loss_type=%r: this loss sums over tokens, so it "
                        "weights each sequence by its completion length rather than optimizing one ratio per "
                        "sequence; use loss_type='grpo' for the GSPO paper's objective.", args.loss_type)
+
+# %% ../nbs/06h_parts.ipynb
+def warn_fp16_without_gpu(args, device) -> None:
+    "fp16 mixed precision needs a GPU: on a CPU accelerate trains in float32 without a word (so do the HF Trainer and TRL)."
+    if args.fp16 and device.type == "cpu":
+        logger.warning("fp16=True, but this run is on the CPU (%s): fp16 mixed precision needs a GPU, so it trains in "
+                       "float32, as the HF Trainer and TRL do on a CPU. Set fp16=False to say so, or train on a GPU.",
+                       "use_cpu=True" if args.use_cpu else "no GPU found")
 
 # %% ../nbs/06h_parts.ipynb
 def cast_lm_head_to_fp32(model) -> None:

@@ -23,10 +23,11 @@ import yaml
 from .batching import BATCH_OPTIONS, BatchConfigError, BatchPlan, plan_for, short_repr
 
 # %% auto 0
-__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'MAX_RUN_BYTES', 'check_strategy', 'per_device_memory',
-           'config_defaults', 'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config',
-           'check_combination', 'launch_script', 'shipped_configs', 'resolve_config', 'load_run_file',
-           'convert_options', 'read_run', 'build_config', 'scaled_run', 'export_readme', 'export_run']
+__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'MAX_RUN_BYTES', 'GPUS_PER_MACHINE',
+           'CPU_PROCESSES_PER_MACHINE', 'check_strategy', 'per_device_memory', 'config_defaults',
+           'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config', 'check_combination',
+           'launch_script', 'shipped_configs', 'resolve_config', 'load_run_file', 'convert_options', 'read_run',
+           'build_config', 'scaled_run', 'export_readme', 'check_processes', 'export_run']
 
 # %% ../nbs/08_scale.ipynb
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
@@ -497,14 +498,30 @@ def export_readme(before_run: dict, after_run: dict, strategy: str, num_processe
     return "\n".join(text) + "\n"
 
 # %% ../nbs/08_scale.ipynb
+GPUS_PER_MACHINE = 16          # the most GPUs one machine holds (a DGX-2 or HGX-2; most hold 8)
+CPU_PROCESSES_PER_MACHINE = 512
+
+
+def check_processes(num_processes: int, num_machines: int = 1, cpu: bool = False) -> None:
+    "A process count that divides over the machines, with no more processes per machine than a machine can run."
+    if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
+        raise ValueError(f"num_processes={short_repr(num_processes)} over num_machines={short_repr(num_machines)}: both must be >= 1 and "
+                         "num_processes (all machines together) a multiple of num_machines.")
+    per_machine, most = num_processes // num_machines, CPU_PROCESSES_PER_MACHINE if cpu else GPUS_PER_MACHINE
+    if per_machine > most:
+        unit = "CPU processes" if cpu else "GPUs"
+        raise ValueError(f"num_processes={num_processes} on {num_machines} machine{'s' if num_machines > 1 else ''} is "
+                         f"{per_machine:,} {unit} per machine; one machine runs at most {most} (grpo-lab's limit). Give "
+                         f"the {unit} of all machines together and their number: e.g. --gpus 64 --num-machines 8.")
+
+
+# %% ../nbs/08_scale.ipynb
 def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", num_machines: int = 1,
                mixed_precision: str | None = None, cpu: bool = False, keep_effective_batch: bool = False,
                dataset_size: int | None = None, overwrite: bool = False) -> Path:
     "Write `run.yaml`, `accelerate_config.yaml`, `launch.sh` and a README to run `run` with `accelerate launch`."
     check_strategy(strategy)
-    if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
-        raise ValueError(f"num_processes={short_repr(num_processes)} over num_machines={short_repr(num_machines)}: both must be >= 1 and "
-                         "num_processes (all machines together) a multiple of num_machines.")
+    check_processes(num_processes, num_machines, cpu)
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output_dir {out} is a file: export writes a folder of files; choose a folder path.")
@@ -523,6 +540,8 @@ def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", nu
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise ValueError(f"output_dir {out} cannot be a folder: part of its path is a file.") from None
+    from grpo_lab.checkpoint import check_links         # (imports torch: only when writing)
+    check_links(out)                                     # nothing written through a link out of the folder
     header = f"# Exported by grpo_lab.scale.export_run for {num_processes} processes ({strategy}); see README.md.\n"
     (out / "run.yaml").write_text(header + yaml.safe_dump(scaled, sort_keys=False))
     layer = decoder_layer_class(str(scaled["model"])) if strategy == "fsdp" else None

@@ -12,6 +12,8 @@ import torch
 from transformers import Trainer
 from transformers import trainer_pt_utils
 
+from .checkpoint import check_links, inside
+
 from .loss import vespo_weights
 
 # %% auto 0
@@ -44,8 +46,16 @@ class TrainerSurface:
     "The `transformers.Trainer` methods TRL scripts call, written against grpo-lab's trainer state."
     loss_is_scaled_for_ga = True      # the loss is already divided for accumulation (TRL's value)
     log_metrics = trainer_pt_utils.log_metrics          # transformers' own: they read only args, state and the rank
-    save_metrics = trainer_pt_utils.save_metrics
-    save_state = trainer_pt_utils.save_state
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True):
+        "transformers' `save_metrics` (`{split}_results.json`, `all_results.json`), never through a link out of output_dir."
+        check_links(self.args.output_dir)
+        return trainer_pt_utils.save_metrics(self, split, metrics, combined)
+
+    def save_state(self):
+        "transformers' `save_state` (`trainer_state.json`), never through a link out of output_dir."
+        check_links(self.args.output_dir)
+        return trainer_pt_utils.save_state(self)
     metrics_format = staticmethod(trainer_pt_utils.metrics_format)
     get_optimizer_cls_and_kwargs = staticmethod(Trainer.get_optimizer_cls_and_kwargs)
 
@@ -167,8 +177,9 @@ def _model_card(trainer, path: Path, model_name=None, dataset_name=None, tags=No
              f"Fine-tuned from `{base}`{f' on `{dataset_name}`' if dataset_name else ''} with GRPO (grpo-lab, "
              f"TRL-compatible), {trainer.state.global_step} optimizer steps, loss type `{trainer.args.loss_type}`, "
              f"{trainer.args.num_generations} completions per prompt, learning rate {trainer.args.learning_rate}."]
-    (path / "README.md").write_text("\n".join(lines) + "\n")
-    return path / "README.md"
+    card = inside(path, "README.md")
+    card.write_text("\n".join(lines) + "\n")
+    return card
 
 
 def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,

@@ -27,14 +27,15 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .batching import plan_for
-from .checkpoint import batch_options, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
+from .checkpoint import (batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state,
+                                 save_main_files, set_rng_state)
 from .config import GRPOConfig
 from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
 from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset,
                     eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process,
-                    warn_length_weighted_sequences)
+                    warn_fp16_without_gpu, warn_length_weighted_sequences)
 from .rewards import RewardModel
 from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
@@ -95,6 +96,7 @@ class GRPOTrainer(TrainerSurface):
                                        cpu=args.use_cpu)
         self.autocast_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
                                if self.accelerator.native_amp else None)    # accelerate runs fp16 on a CPU in fp32
+        warn_fp16_without_gpu(args, self.accelerator.device)
         n_proc = self.accelerator.num_processes
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
@@ -617,6 +619,8 @@ def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Posit
     "Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start (None: finished)."
     args = trainer.args
     path = resolve_resume(resume_from_checkpoint, args.output_dir)
+    claim_output_dir(args.output_dir, path, getattr(args, "overwrite_output_dir", False),   # one folder, one run
+                     trainer.accelerator.is_main_process)
     start, rollout = trainer.load_checkpoint(path) if path is not None else (Position(), None)
     state = trainer.state
     state.max_steps, state.num_train_epochs = trainer.plan.total_optimizer_steps, int(args.num_train_epochs)
@@ -679,7 +683,7 @@ def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples:
     self.state.log_history.append({**logs, "step": self.state.global_step})
     if self.accelerator.is_main_process:
         out = Path(self.args.output_dir)
-        with open(out / "metrics.jsonl", "a") as f:
+        with open(inside(out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
         if self.args.log_completions and samples:
             _log_completions(out, self.state.global_step, samples, self.args.num_completions_to_print)
@@ -688,7 +692,7 @@ def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples:
 # %% ../nbs/06_trainer.ipynb
 def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
     "Append the step's completions to completions.jsonl and print a few."
-    with open(Path(output_dir) / "completions.jsonl", "a") as f:
+    with open(inside(output_dir, "completions.jsonl"), "a") as f:
         for s in samples:
             f.write(json.dumps({"step": step, **s}, default=str) + "\n")
     shown = samples[:num_to_print] if num_to_print else samples
@@ -702,8 +706,8 @@ def _restart_logs(trainer: GRPOTrainer):
         return
     out, step = Path(trainer.args.output_dir), trainer.state.global_step
     logged = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in trainer.history]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in logged))
-    completions = out / "completions.jsonl"
+    inside(out, "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in logged))
+    completions = inside(out, "completions.jsonl")
     if completions.exists():
         kept = [l for l in completions.read_text().splitlines() if l and json.loads(l)["step"] <= step]
         completions.write_text("".join(l + "\n" for l in kept) if step else "")
@@ -869,6 +873,7 @@ def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
     path = Path(output_dir or self.args.output_dir)
     self.accelerator.wait_for_everyone()
     if self.accelerator.is_main_process:
+        check_links(path)                     # nothing written through a link out of the folder
         self.accelerator.unwrap_model(self.model).save_pretrained(path)
         self.processing_class.save_pretrained(path)
         _model_card(self, path)

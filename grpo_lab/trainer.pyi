@@ -19,12 +19,12 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .batching import plan_for
-from .checkpoint import batch_options, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
+from .checkpoint import batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
 from .config import GRPOConfig
 from .data import load_prompts
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import eos_token_ids, make_reference, reference_logps
-from .parts import check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process, warn_length_weighted_sequences
+from .parts import check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process, warn_fp16_without_gpu, warn_length_weighted_sequences
 from .rewards import RewardModel
 from .rollout import Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics

@@ -37,7 +37,8 @@ class Say(TrainerCallback):
 out = Path(sys.argv[1])
 args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                   learning_rate=1e-3, logging_steps=1, disable_tqdm=True, max_steps=12,
-                  gradient_checkpointing=False, save_strategy="steps", save_steps=1, save_total_limit=2)
+                  gradient_checkpointing=False, save_strategy="steps", save_steps=1, save_total_limit=2,
+                  overwrite_output_dir=True)   # a kill before the first checkpoint leaves logs: that start is replaced
 trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(64), callbacks=[Say()],
                       lora_r=4)
 trainer.train(resume_from_checkpoint=any(out.glob("checkpoint-*")))
@@ -128,9 +129,10 @@ def test_resume_with_other_batch_options_is_refused(tmp_path):
                     train_dataset=arithmetic_task(32)).train(resume_from_checkpoint=True)
 
 
-def test_a_fresh_run_in_a_used_folder_starts_a_clean_log(tmp_path):
+def test_a_fresh_run_in_a_used_folder_with_overwrite_starts_a_clean_log(tmp_path):
+    "Without overwrite_output_dir the second run is refused (tests/test_bad_input_2.py)."
     small_run(tmp_path, max_steps=2).train()
-    small_run(tmp_path, max_steps=1).train()
+    small_run(tmp_path, max_steps=1, overwrite_output_dir=True).train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 1]                                   # the step, then the run's summary
 

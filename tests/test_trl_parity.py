@@ -7,7 +7,7 @@ from grpo_lab import GRPOConfig
 
 trl = pytest.importorskip("trl")
 
-GRPO_LAB_ONLY = {"max_prompt_length", "vllm_dtype"}
+GRPO_LAB_ONLY = {"max_prompt_length", "vllm_dtype", "overwrite_output_dir"}
 
 
 def defaults(cls) -> dict:
