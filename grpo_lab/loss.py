@@ -164,6 +164,26 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                  compute_entropy, autocast_dtype)
 
 
+def _head_input(model, inputs: dict, positions: int) -> torch.Tensor:
+    """The final hidden states `(B, positions, H)` the LM head receives for the last `positions` positions, taken at
+    the head's door by a pre-hook that hands the head itself an empty slice: the model never computes those logits.
+
+    (`output_hidden_states=True` would keep every layer's states, and a `(B, 1, H)` head input from
+    `logits_to_keep=1` is strided, which makes torch's matmul copy the whole head weight once per row.)"""
+    seen = []
+
+    def take(module, args):
+        seen.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = _unwrap(model).get_output_embeddings().register_forward_pre_hook(take)
+    try:
+        model(**inputs, logits_to_keep=positions)
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
 def _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, compute_entropy,
                       autocast_dtype):
     "`completion_logps` after its checks, inside its autocast region."
@@ -177,9 +197,9 @@ def _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperat
         if "use_cache" in accepted: inputs["use_cache"] = False
         targets = input_ids[rows, -logits_to_keep:]
         if head is not None:                       # hidden states in, one tile of logits at a time
-            hidden = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-            logp, entropy = lm_head_logps(hidden[:, -(logits_to_keep + 1):-1], *head, targets, temperature,
-                                          compute_entropy, compute_dtype=autocast_dtype)
+            hidden = _head_input(model, inputs, logits_to_keep + 1)
+            logp, entropy = lm_head_logps(hidden[:, :-1], *head, targets, temperature, compute_entropy,
+                                          compute_dtype=autocast_dtype)
         else:                                      # the model's own logits of the completion positions
             if "logits_to_keep" in accepted: inputs["logits_to_keep"] = logits_to_keep + 1
             logits = model(**inputs).logits[:, -(logits_to_keep + 1):-1]
