@@ -30,9 +30,10 @@ from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'AsyncGRPOConfig', 'Flight', 'flight', 'WorkerResult',
-           'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'check_health', 'submit', 'next_result', 'push', 'stop',
-           'QueuedEngine', 'correct_off_policy', 'AsyncGRPOTrainer', 'micro_steps', 'train', 'save_checkpoint']
+__all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
+           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'check_health', 'submit', 'next_result',
+           'push', 'stop', 'QueuedEngine', 'correct_off_policy', 'AsyncGRPOTrainer', 'micro_steps', 'train',
+           'save_checkpoint', 'plot_timeline']
 
 # %% ../nbs/06k_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -259,14 +260,15 @@ def _cpu_state(state: dict) -> dict:
 class AsyncWorker:
     "The generation process, its queues and its health, as the trainer sees them."
     def __init__(self, policy, tokenizer, settings, args: AsyncGRPOConfig, version: int, threads: int = 1):
+        from grpo_lab import async_grpo as lib     # what crosses to the worker comes from the module, never a notebook
         ctx = mp.get_context("spawn")
         self.args, self.flight = args, flight(args)
-        self.ch = _Channels(ctx.Queue(), ctx.Queue(maxsize=self.flight.queue_batches), ctx.Queue(), ctx.Queue(),
+        self.ch = lib._Channels(ctx.Queue(), ctx.Queue(maxsize=self.flight.queue_batches), ctx.Queue(), ctx.Queue(),
                             ctx.Value("i", version), ctx.Value("d", time.time()), ctx.Value("d", 0.0), ctx.Event(),
                             ctx.Event())
         plain = _plain(policy)
         recipe = (type(plain), plain.config, _cpu_state(plain.state_dict()))
-        self.process = ctx.Process(target=worker_main, daemon=True, name="grpo-lab-async-worker",
+        self.process = ctx.Process(target=lib.worker_main, daemon=True, name="grpo-lab-async-worker",
                                    args=(recipe, tokenizer, settings, self.ch, threads, args.seed))
         self.process.start()
         self.pushed = version           # the newest version the worker was given
@@ -571,3 +573,21 @@ def save_checkpoint(self: AsyncGRPOTrainer) -> Path:
     return final
 
 AsyncGRPOTrainer.train, AsyncGRPOTrainer.save_checkpoint = train, save_checkpoint
+
+# %% ../nbs/06k_async.ipynb
+LANE_COLOURS = {"generate": "tab:blue", "wait": "lightgrey", "score": "tab:orange", "train": "tab:green",
+                "push": "black", "drop": "tab:red"}
+
+def plot_timeline(timeline: list[dict], ax=None, title: str = ""):
+    "The worker's and the trainer's intervals of a run (`AsyncGRPOTrainer.timeline`), one lane each."
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(9, 1.8))[1]
+    start = min(e["start"] for e in timeline)
+    for row, lane in enumerate(("trainer", "worker")):
+        for e in (e for e in timeline if e["lane"] == lane):
+            width = max(e["end"] - e["start"], 0.004)
+            ax.broken_barh([(e["start"] - start, width)], (row - 0.4, 0.8), color=LANE_COLOURS[e["what"]])
+    ax.set_yticks([0, 1], ["trainer", "worker"])
+    ax.set_xlabel("seconds")
+    ax.set_title(title, fontsize=9)
+    return ax
