@@ -15,7 +15,7 @@ import os
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from .config import GRPOConfig, as_dict
 from .loss import completion_logps
 from .rollout import Completions, GenerateEngine, RolloutEngine, SharedPrefillEngine, generation_rows
 from .steps import MicroStep, Position, advance, micro_batches
-from .trainer import GRPOTrainer, _epoch_chunks, _generate_and_score, _resume_hint
+from .trainer import GRPOTrainer, _epoch_chunks, _generate_and_score
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
