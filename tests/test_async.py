@@ -143,3 +143,17 @@ def test_async_runs_learn_and_the_pushed_weights_are_the_trained_ones(tmp_path, 
     if max_staleness == 0:
         assert all(h["sampling/sampling_logp_difference/max"] < 1e-5 for h in steps)
         assert all(h["sampling/importance_sampling_ratio/min"] > 0.9999 for h in steps)
+
+
+def test_weights_are_pushed_every_weight_sync_steps_and_a_lora_policy_reaches_the_worker_merged(tmp_path):
+    """weight_sync_steps=2: the worker only ever holds versions 0 and 2 (the push after step 4 would come after the
+    run). A LoRA policy is sent merged: the batch sampled just after the push at step 2 has the trainer's log-probs."""
+    args = small_args(tmp_path, max_completion_length=8, learning_rate=5e-3, max_staleness=0, weight_sync_steps=2)
+    trainer = AsyncGRPOTrainer(TINY, shorter, args=args, train_dataset=arithmetic_task(64), lora_r=4)
+    trainer.train()
+    assert [e["version"] for e in trainer.timeline if e["what"] == "push"] == [2]
+    versions = [e["version"] for e in trainer.timeline if e["what"] == "generate"]
+    assert versions == [0, 0, 2, 2], versions
+    steps = [h for h in trainer.history if "sampling/sampling_logp_difference/max" in h]
+    assert steps[2]["sampling/sampling_logp_difference/max"] < 1e-4, steps[2]
+    assert steps[3]["sampling/sampling_logp_difference/max"] > 1e-3, steps[3]   # the weights did move at step 3
