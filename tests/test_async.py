@@ -157,3 +157,18 @@ def test_weights_are_pushed_every_weight_sync_steps_and_a_lora_policy_reaches_th
     steps = [h for h in trainer.history if "sampling/sampling_logp_difference/max" in h]
     assert steps[2]["sampling/sampling_logp_difference/max"] < 1e-4, steps[2]
     assert steps[3]["sampling/sampling_logp_difference/max"] > 1e-3, steps[3]   # the weights did move at step 3
+
+
+def test_resume_inside_a_rollout_trains_the_saved_rollout_first(tmp_path):
+    """Two optimizer steps per generation batch, resumed from checkpoint-1 (half-way through a batch): step 2 learns
+    from the checkpoint's rollout exactly as the uninterrupted run did, then the stream goes on at the next batch."""
+    kw = dict(save_strategy="steps", save_steps=1, max_staleness=2, steps_per_generation=2)
+    first = AsyncGRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "a", **kw), train_dataset=arithmetic_task(64))
+    first.train()
+    resumed = AsyncGRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "b", **kw),
+                               train_dataset=arithmetic_task(64))
+    resumed.train(resume_from_checkpoint=tmp_path / "a" / "checkpoint-1")
+    by_step = lambda t: {h["step"]: h for h in t.history if "loss" in h and "train_runtime" not in h}
+    assert by_step(resumed)[2]["loss"] == by_step(first)[2]["loss"]
+    for run in (first, resumed):                          # 16 batches of 4 prompts an epoch, 2 steps each
+        assert [by_step(run)[s]["epoch"] for s in (3, 4)] == pytest.approx([3 / 32, 4 / 32], abs=1e-3)
