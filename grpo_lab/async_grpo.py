@@ -49,6 +49,8 @@ ASYNC_REFUSED = {
     "max_tool_calling_iterations": "the async trainer runs no tool loop; use GRPOTrainer for tools",
     "use_vllm": "the async trainer generates in its own worker process (the vLLM server worker is not built yet); "
         "leave use_vllm=False",
+    "vllm_server_base_url": "the vLLM server worker is not built yet: generation runs in a local worker process "
+        "with the `generate` engine; leave the default",
 }
 
 # %% ../nbs/06k_async.ipynb
@@ -56,8 +58,9 @@ ASYNC_REFUSED = {
 class AsyncGRPOConfig(GRPOConfig):
     """`GRPOConfig` with TRL 1.16's async fields and defaults (`trl.experimental.async_grpo.AsyncGRPOConfig`).
 
-    Differences on purpose: the worker is a local process running the `generate` engine (`vllm_server_base_url`,
-    `request_timeout` and `weight_sync_timeout` bound that worker's task and weight push instead of HTTP calls);
+    Differences on purpose: the worker is a local process running the `generate` engine (another
+    `vllm_server_base_url` is refused; `request_timeout` bounds one batch of the worker, `weight_sync_timeout` one
+    weight push, `vllm_server_timeout` the worker's start);
     `max_inflight_tasks` and `queue_maxsize` count samples as in TRL but are rounded up to whole generation batches,
     grpo-lab's unit of work; `dtype` is honoured through `model_init_kwargs` (where that names no dtype); the fields of
     `ASYNC_REFUSED` raise, and `ASYNC_DEFAULTS_DIFFER` lists the defaults that are grpo-lab's own."""
@@ -95,7 +98,8 @@ def _refuse_async(cfg) -> None:
     changed = {"token_budget": cfg.token_budget is not None and cfg.token_budget > 0,
                "fork_threshold_tokens": cfg.fork_threshold_tokens != 1024,
                "max_tool_calling_iterations": cfg.max_tool_calling_iterations is not None,
-               "use_vllm": bool(cfg.use_vllm)}
+               "use_vllm": bool(cfg.use_vllm),
+               "vllm_server_base_url": cfg.vllm_server_base_url != "http://localhost:8000"}
     for name, reason in ASYNC_REFUSED.items():
         if changed[name]:
             raise ValueError(f"{name}={getattr(cfg, name)!r} is not supported by AsyncGRPOTrainer: {reason}.")

@@ -49,10 +49,11 @@ def test_every_trl_async_field_with_trls_default():
 
 
 @pytest.mark.parametrize("field,value", [("token_budget", 4096), ("fork_threshold_tokens", 64),
-                                         ("max_tool_calling_iterations", 3)])
+                                         ("max_tool_calling_iterations", 3),
+                                         ("vllm_server_base_url", "http://gpu-box:8000")])
 def test_fields_grpo_lab_cannot_honour_are_refused_in_one_sentence(tmp_path, field, value):
     assert field in ASYNC_REFUSED
-    with pytest.raises(ValueError, match=rf"^{field}={value} is not supported by AsyncGRPOTrainer: [^\n]+\.$"):
+    with pytest.raises(ValueError, match=rf"^{field}={value!r} is not supported by AsyncGRPOTrainer: [^\n]+\.$"):
         small_args(tmp_path, **{field: value})
 
 
