@@ -31,9 +31,8 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
-           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'check_health', 'submit', 'next_result',
-           'push', 'stop', 'QueuedEngine', 'correct_off_policy', 'AsyncGRPOTrainer', 'micro_steps', 'train',
-           'save_checkpoint', 'plot_timeline']
+           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'QueuedEngine', 'correct_off_policy',
+           'AsyncGRPOTrainer', 'plot_timeline']
 
 # %% ../nbs/06k_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -289,7 +288,7 @@ class AsyncWorker:
                                        "raise it on a slow or busy machine.")
 
 # %% ../nbs/06k_async.ipynb
-def check_health(self: AsyncWorker, idle_limit: float | None = None) -> None:
+def _check_health(self: AsyncWorker, idle_limit: float | None = None) -> None:
     "Raise `AsyncWorkerError` if the worker failed, exited, stopped ticking or is stuck on one batch."
     args, ch, now = self.args, self.ch, time.time()
     try:
@@ -310,17 +309,17 @@ def check_health(self: AsyncWorker, idle_limit: float | None = None) -> None:
         raise AsyncWorkerError(f"the generation worker's heartbeat is {now - ch.heartbeat.value:.0f}s old, more than "
                                f"heartbeat_stale_after_s={args.heartbeat_stale_after_s}s: it is hung.")
 
-AsyncWorker.check_health = check_health
+AsyncWorker.check_health = _check_health
 
 # %% ../nbs/06k_async.ipynb
-def submit(self: AsyncWorker, rows: list[dict], group: torch.Tensor) -> int:
+def _submit(self: AsyncWorker, rows: list[dict], group: torch.Tensor) -> int:
     "Hand the worker one generation batch; return its task number."
     self.ch.tasks.put((self.submitted, rows, group, self.pushed))
     self.submitted += 1
     return self.submitted - 1
 
 
-def next_result(self: AsyncWorker) -> tuple[WorkerResult, float]:
+def _next_result(self: AsyncWorker) -> tuple[WorkerResult, float]:
     "The next finished batch (in task order) and the seconds the trainer waited for it; checks health while waiting."
     start = time.time()
     while True:
@@ -330,7 +329,7 @@ def next_result(self: AsyncWorker) -> tuple[WorkerResult, float]:
             self.check_health()
 
 
-def push(self: AsyncWorker, model, version: int) -> float:
+def _push(self: AsyncWorker, model, version: int) -> float:
     "Send the trainable weights as `version`; the worker loads them before its next batch. Returns the seconds taken."
     start = time.time()
     if hasattr(model, "merge_and_unload"):     # a PEFT model: the worker holds the merged weights
@@ -346,7 +345,7 @@ def push(self: AsyncWorker, model, version: int) -> float:
     return time.time() - start
 
 
-def stop(self: AsyncWorker) -> int:
+def _stop(self: AsyncWorker) -> int:
     "Stop the worker and return how many finished batches were still queued (they are discarded)."
     self.ch.stop.set()
     queued = 0
@@ -362,7 +361,7 @@ def stop(self: AsyncWorker) -> int:
         self.process.join(timeout=5)
     return queued
 
-AsyncWorker.submit, AsyncWorker.next_result, AsyncWorker.push, AsyncWorker.stop = submit, next_result, push, stop
+AsyncWorker.submit, AsyncWorker.next_result, AsyncWorker.push, AsyncWorker.stop = _submit, _next_result, _push, _stop
 
 # %% ../nbs/06k_async.ipynb
 class QueuedEngine(RolloutEngine):
@@ -516,7 +515,7 @@ def _queue_size(worker: AsyncWorker) -> int:
         return 0
 
 # %% ../nbs/06k_async.ipynb
-def micro_steps(self: AsyncGRPOTrainer, pos: Position, rollout=None):
+def _micro_steps(self: AsyncGRPOTrainer, pos: Position, rollout=None):
     "The synchronous `micro_steps` (06_trainer) fed by the worker: the same positions, micro-batches and syncs."
     args, ga, mu = self.args, self.args.gradient_accumulation_steps, self.args.num_iterations
     _start_worker(self)
@@ -549,10 +548,10 @@ def _generations_per_epoch(trainer) -> int:
     "The generation batches of one epoch (what a resumed, half-trained rollout needs to place itself)."
     return next(iter(_epoch_chunks(trainer, 0, 0)))[1]
 
-AsyncGRPOTrainer.micro_steps = micro_steps
+AsyncGRPOTrainer.micro_steps = _micro_steps
 
 # %% ../nbs/06k_async.ipynb
-def train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
+def _train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
     "GRPOTrainer.train with the worker started on the first batch and stopped at the end, on success or failure."
     try:
         return GRPOTrainer.train(self, resume_from_checkpoint, **kwargs)
@@ -566,7 +565,7 @@ def train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
                             "discarded.", pending, queued)
 
 
-def save_checkpoint(self: AsyncGRPOTrainer) -> Path:
+def _save_checkpoint(self: AsyncGRPOTrainer) -> Path:
     "GRPOTrainer.save_checkpoint, then the number of samples queued or in flight (`async_queue.json`, atomically)."
     final = GRPOTrainer.save_checkpoint(self)
     if self.accelerator.is_main_process and self.worker is not None:
@@ -576,7 +575,7 @@ def save_checkpoint(self: AsyncGRPOTrainer) -> Path:
         os.replace(tmp, final / "async_queue.json")
     return final
 
-AsyncGRPOTrainer.train, AsyncGRPOTrainer.save_checkpoint = train, save_checkpoint
+AsyncGRPOTrainer.train, AsyncGRPOTrainer.save_checkpoint = _train, _save_checkpoint
 
 # %% ../nbs/06k_async.ipynb
 LANE_COLOURS = {"generate": "tab:blue", "wait": "lightgrey", "score": "tab:orange", "train": "tab:green",

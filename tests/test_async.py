@@ -131,15 +131,16 @@ def test_resume_continues_from_the_checkpoint_and_says_what_was_discarded(tmp_pa
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_async_runs_learn_and_the_pushed_weights_are_the_trained_ones(tmp_path, max_staleness):
-    """A reward for short answers: the mean completion length of the last 5 of 20 steps is at least 0.5 token below the
-    first 5 (3.4 -> 2.1-2.5 measured). At max_staleness=0 the worker always holds the trainer's weights, so its
+    """A reward for short answers: the mean completion length of the last 10 of 30 steps is at least 0.75 token below
+    the first 5 (3.5 -> 1.4-2.0 in three runs at max_staleness=2; 20 steps left too little margin: the versions a
+    stale run samples with depend on timing). At max_staleness=0 the worker always holds the trainer's weights, so its
     log-probs equal the trainer's (the importance ratio is exactly 1)."""
-    args = small_args(tmp_path, max_completion_length=8, learning_rate=3e-3, max_steps=20, max_staleness=max_staleness)
+    args = small_args(tmp_path, max_completion_length=8, learning_rate=3e-3, max_steps=30, max_staleness=max_staleness)
     trainer = AsyncGRPOTrainer(TINY, shorter, args=args, train_dataset=arithmetic_task(256))
     trainer.train()
     steps = [h for h in trainer.history if "completions/mean_length" in h]
     lengths = [h["completions/mean_length"] for h in steps]
-    assert sum(lengths[-5:]) / 5 <= sum(lengths[:5]) / 5 - 0.5, lengths
+    assert sum(lengths[-10:]) / 10 <= sum(lengths[:5]) / 5 - 0.75, lengths
     assert max(h["sample/staleness_max"] for h in steps) == max_staleness
     if max_staleness == 0:
         assert all(h["sampling/sampling_logp_difference/max"] < 1e-5 for h in steps)
