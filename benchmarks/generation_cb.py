@@ -55,11 +55,11 @@ def main(argv=None):
                            eos_token_id=eos, pad_token_id=tok.pad_token_id)
 
     def padded():
-        c, m, _ = sample_completions(model, tok, prompt_ids, prompt_mask, gen, eos, share_prefill=False)
+        c, m, _ = sample_completions(model, prompt_ids, prompt_mask, gen, eos, share_prefill=False)
         return int(m.sum())
 
     def shared():
-        c, m, _ = sample_completions(model, tok, prompt_ids, prompt_mask, gen, eos, share_prefill=True)
+        c, m, _ = sample_completions(model, prompt_ids, prompt_mask, gen, eos, share_prefill=True)
         return int(m.sum())
 
     from transformers.generation import ContinuousBatchingConfig

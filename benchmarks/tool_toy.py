@@ -1,11 +1,11 @@
-"""The multiplication toy (grpo_lab.tools): held-out tool use before and after a short GRPO run with tools=[multiply].
+"""The multiplication toy (grpo_lab.tasks): held-out tool use before and after a short GRPO run with tools=[multiply].
 
 Issue 21 asks whether GRPO teaches a small chat model to use a calculator on 3-digit x 2-digit products, which it
 cannot compute in its head. For each seed this script measures, on held-out problems (none of the training pairs),
 the rate of rollouts that call the tool, the share of calls that are well formed, the accuracy (with and without a
 call), and the accuracy with the calculator switched off (every call answered with an error: a model that learned
 the tool loses its accuracy, one that learned to guess keeps it). With `--warm-start N` it first takes N supervised
-steps on ideal transcripts (grpo_lab.tools.warm_start) and measures again; then it trains `--steps` GRPO steps with
+steps on ideal transcripts (grpo_lab.tasks.warm_start) and measures again; then it trains `--steps` GRPO steps with
 `product_reward` (and, with `--call-bonus`, 0.5 for a rollout whose calls ran, logged as its own reward) and
 measures again. One JSON line per seed.
 
@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.models import smollm2_path
-from grpo_lab.tools import held_out_stats, multiply, multiplication_problems, product_reward, warm_start
+from grpo_lab.tasks import held_out_stats, multiplication_problems, product_reward, warm_start
+from grpo_lab.tools import multiply
 
 
 def well_formed_call(completions, **kwargs) -> list[float]:

@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'generation_chunks', 'expand_groups', 'process_rows', 'generation_rows',
-           'stream_chunks', 'check_stream_length', 'render_prompts', 'tokenize_prompts', 'SamplingSettings',
-           'generation_config', 'completion_mask', 'prompt_groups', 'prefill_once_per_prompt', 'prefill_saving',
-           'sample_completions', 'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine',
-           'SharedPrefillEngine', 'Rollout', 'length_metrics']
+           'stream_chunks', 'check_stream_length', 'render_prompts', 'pad_left', 'pad_right', 'length_mask',
+           'truncated_rows', 'tokenize_prompts', 'SamplingSettings', 'generation_config', 'completion_mask',
+           'prompt_groups', 'group_starts', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
+           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'SharedPrefillEngine', 'Rollout',
+           'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
 def generation_chunks(dataset_size: int, unique_prompts: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
@@ -86,6 +87,30 @@ def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None =
     return texts
 
 # %% ../nbs/06b_rollout.ipynb
+def pad_left(rows: list[list[int]], value: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    "`(B, W)` the rows left-padded with `value` to `width` (at least the longest), and `(B, W)` their mask (1: a token)."
+    width = max([len(r) for r in rows] + [width or 0])
+    ids = torch.tensor([[value] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    return ids, torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+
+def pad_right(rows: list[list], value, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    "`(B, T)` tensor of the rows right-padded with `value` to the longest (at least one column)."
+    width = max([len(r) for r in rows] + [1])
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def length_mask(lengths, width: int) -> torch.Tensor:
+    "`(B, T)` 1 on each row's first `lengths[i]` columns: the real tokens of right-padded rows."
+    return (torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)).int()
+
+
+def truncated_rows(completions: list[list[int]], end_ids) -> torch.Tensor:
+    "`(B,)` True where a completion does not end in one of `end_ids` (the one truncation rule; empty: truncated)."
+    ends = set(end_ids)
+    return torch.tensor([not c or c[-1] not in ends for c in completions])
+
+# %% ../nbs/06b_rollout.ipynb
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None = None, pad_to_multiple_of: int | None = None):
     "Left-padded `(input_ids, attention_mask)` `(B, P)` and how many prompts were cut from the left."
     unique = {p: tokenizer(p, add_special_tokens=False)["input_ids"] for p in dict.fromkeys(prompts)}   # G copies: once
@@ -97,9 +122,7 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | Non
     width = max(len(x) for x in ids)
     if pad_to_multiple_of:
         width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    input_ids, attention_mask = pad_left(ids, tokenizer.pad_token_id, width)
     return input_ids, attention_mask, n_truncated
 
 # %% ../nbs/06b_rollout.ipynb
@@ -145,7 +168,7 @@ def generation_config(settings: SamplingSettings) -> GenerationConfig:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: int | list[int]):
-    "`(B, T)` mask up to and including the first EOS, and `(B,)` True where no EOS was produced."
+    "`(B, T)` mask up to and including the first EOS, and `(B,)` truncated: no EOS (`truncated_rows`' rule)."
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids],
                                                      device=completion_ids.device))
     T = completion_ids.size(1)
@@ -160,7 +183,7 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.
     return torch.cat([same.new_ones(1), ~same]).long().cumsum(0) - 1
 
 
-def _group_starts(group: torch.Tensor) -> torch.Tensor:
+def group_starts(group: torch.Tensor) -> torch.Tensor:
     "`(B,)` True on the first row of each group."
     return torch.cat([group.new_ones(1, dtype=torch.bool), group[1:] != group[:-1]])
 
@@ -177,7 +200,7 @@ def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.
                             group: torch.Tensor | None = None) -> DynamicCache | None:
     "KV cache of every row's prompt but its last token, computed once per group; None if no group has two rows."
     group = prompt_groups(prompt_ids, prompt_mask) if group is None else group.to(prompt_ids.device)
-    starts = _group_starts(group)
+    starts = group_starts(group)
     if starts.all():
         return None
     ids, mask = prompt_ids[starts, :-1], prompt_mask[starts, :-1]
@@ -199,7 +222,7 @@ SHARED_PREFILL_MIN_FLOPS = {"cpu": 2e9, "cuda": 1e12}
 def prefill_saving(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: torch.Tensor | None = None) -> float:
     "About the FLOPs a shared prefill saves: 2 x parameters (embeddings aside) x prompt tokens not read again."
     group = prompt_groups(prompt_ids, prompt_mask) if group is None else group
-    repeats = len(group) - int(_group_starts(group).sum())
+    repeats = len(group) - int(group_starts(group).sum())
     return 2.0 * _body_parameters(model) * repeats * (prompt_ids.size(1) - 1)
 
 
@@ -214,7 +237,7 @@ def _body_parameters(model) -> int:
 
 # %% ../nbs/06b_rollout.ipynb
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
+def sample_completions(model, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
                        share_prefill: bool | None = None, group: torch.Tensor | None = None):
     "Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`."
     was_training = model.training
@@ -281,7 +304,7 @@ class GenerateEngine(RolloutEngine):
 
     def generate(self, rows, group, policy, settings, step) -> Completions:
         texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings, self.device)
-        c_ids, c_mask, truncated = sample_completions(policy, self.tokenizer, p_ids, p_mask, generation_config(settings),
+        c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, generation_config(settings),
                                                       settings.eos_token_ids, self.share_prefill, group.to(p_ids.device))
         return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group)
 

@@ -22,18 +22,15 @@ from jinja2 import TemplateError
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from fastcore.basics import patch
-
 from .data import is_conversational
-from .rollout import Completions, RolloutEngine, SamplingSettings, generation_config, tokenize_prompts
+from .rollout import (Completions, RolloutEngine, SamplingSettings, generation_config, length_mask, pad_left,
+    pad_right, sample_completions, tokenize_prompts, truncated_rows)
 
 # %% auto 0
-__all__ = ['CHATML_TOOLS_TEMPLATE', 'WORKED_EXAMPLE', 'ROLLOUT_FUNC_KEYS', 'ToolError', 'tool_schema', 'tool_schemas', 'multiply',
-           'supports_tools', 'tool_chat_template', 'ToolCall', 'parse_tool_calls', 'run_tool', 'answer_call',
-           'environment_methods', 'EnvironmentPool', 'reset_prompt', 'pad_right', 'continue_sequences',
-           'tool_suffix_ids', 'ToolLoopEngine', 'multiplication_problems', 'final_answer', 'last_number',
-           'product_reward', 'tool_use_stats', 'ideal_transcript', 'warm_start', 'switched_off', 'sample_rollouts',
-           'held_out_stats', 'check_rollout_output', 'RolloutFuncEngine']
+__all__ = ['CHATML_TOOLS_TEMPLATE', 'ROLLOUT_FUNC_KEYS', 'ToolError', 'tool_schema', 'tool_schemas', 'multiply', 'supports_tools',
+           'tool_chat_template', 'ToolCall', 'parse_tool_calls', 'run_tool', 'answer_call', 'environment_methods',
+           'EnvironmentPool', 'reset_prompt', 'continue_sequences', 'tool_suffix_ids', 'ToolLoopEngine',
+           'check_rollout_output', 'RolloutFuncEngine']
 
 # %% ../nbs/06e_tools.ipynb
 class ToolError(ValueError):
@@ -77,8 +74,6 @@ def multiply(a: int, b: int) -> int:
         b: The second factor.
     """
     return a * b
-
-tool_schema(multiply)
 
 # %% ../nbs/06e_tools.ipynb
 # grpo-lab's addition: SmolLM2's ChatML template taught the Hermes/Qwen2.5 tool-calling format. The tool list goes
@@ -269,51 +264,47 @@ class EnvironmentPool:
             tool_schemas(self.tools[name])    # every public method must be a well-described tool
             self.pool[name] = [probe]
 
-# %% ../nbs/06e_tools.ipynb
-@patch
-def environment_of(self: EnvironmentPool, row: dict):
-    "The name of the environment `row` asks for (None with a single factory)."
-    if not self.multiple:
-        return None
-    if "environment" not in row:
-        raise ToolError(f"environment_factory is a dict of {sorted(self.factories)}, and a row has no `environment` "
-                        f"column to choose one (its columns: {sorted(row)}): add the column to the dataset.")
-    if row["environment"] not in self.factories:
-        raise ToolError(f"a row has environment={row['environment']!r}, which is not among the environments passed "
-                        f"to environment_factory: {sorted(self.factories)}.")
-    return row["environment"]
+    def environment_of(self, row: dict):
+        "The name of the environment `row` asks for (None with a single factory)."
+        if not self.multiple:
+            return None
+        if "environment" not in row:
+            raise ToolError(f"environment_factory is a dict of {sorted(self.factories)}, and a row has no "
+                            f"`environment` column to choose one (its columns: {sorted(row)}): add the column to the "
+                            "dataset.")
+        if row["environment"] not in self.factories:
+            raise ToolError(f"a row has environment={row['environment']!r}, which is not among the environments "
+                            f"passed to environment_factory: {sorted(self.factories)}.")
+        return row["environment"]
 
+    def take(self, rows: list[dict]) -> list:
+        "One environment per row, reused from earlier batches where possible (made once, reset often)."
+        handed, environments = {}, []
+        for row in rows:
+            name = self.environment_of(row)
+            pool, index = self.pool[name], handed.get(name, 0)
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            handed[name] = index + 1
+            environments.append(pool[index])
+        return environments
 
-@patch
-def take(self: EnvironmentPool, rows: list[dict]) -> list:
-    "One environment per row, reused from earlier batches where possible (made once, reset often)."
-    handed, environments = {}, []
-    for row in rows:
-        name = self.environment_of(row)
-        pool, index = self.pool[name], handed.get(name, 0)
-        if index == len(pool):
-            pool.append(self.factories[name]())
-        handed[name] = index + 1
-        environments.append(pool[index])
-    return environments
+    def reward_functions(self) -> list[tuple[str, Callable]]:
+        "`(class name, reward function)` for every environment class with `get_reward`: it scores its own rollouts."
+        found = {}
+        for probes in self.pool.values():
+            kind = type(probes[0])
+            if callable(getattr(kind, "get_reward", None)) and kind.__name__ not in found:
+                if inspect.iscoroutinefunction(kind.get_reward):
+                    async def reward(environments, _kind=kind, **kwargs):
+                        return [await e.get_reward() if type(e) is _kind else None for e in environments]
+                else:
+                    def reward(environments, _kind=kind, **kwargs):
+                        return [e.get_reward() if type(e) is _kind else None for e in environments]
+                reward.__name__ = kind.__name__     # logged under the environment's class name, as in TRL
+                found[kind.__name__] = reward
+        return list(found.items())
 
-
-@patch
-def reward_functions(self: EnvironmentPool) -> list[tuple[str, Callable]]:
-    "`(class name, reward function)` for every environment class with `get_reward`: it scores its own rollouts."
-    found = {}
-    for probes in self.pool.values():
-        kind = type(probes[0])
-        if callable(getattr(kind, "get_reward", None)) and kind.__name__ not in found:
-            if inspect.iscoroutinefunction(kind.get_reward):
-                async def reward(environments, _kind=kind, **kwargs):
-                    return [await e.get_reward() if type(e) is _kind else None for e in environments]
-            else:
-                def reward(environments, _kind=kind, **kwargs):
-                    return [e.get_reward() if type(e) is _kind else None for e in environments]
-            reward.__name__ = kind.__name__     # logged under the environment's class name, as in TRL
-            found[kind.__name__] = reward
-    return list(found.items())
 
 # %% ../nbs/06e_tools.ipynb
 def reset_prompt(environment, row: dict, multiple: bool):
@@ -330,30 +321,15 @@ def reset_prompt(environment, row: dict, multiple: bool):
     return list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 # %% ../nbs/06e_tools.ipynb
-def pad_right(rows: list[list[int]], value: int) -> torch.Tensor:
-    "`(B, T)` long tensor of the rows, right-padded with `value` to the longest."
-    width = max([len(r) for r in rows] + [1])
-    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
-
-
 @torch.no_grad()
 def continue_sequences(policy, sequences: list[list[int]], settings: SamplingSettings, max_new_tokens: int) -> list[list[int]]:
-    "Sample a continuation of each token sequence with the policy's `generate`: the new tokens, cut after the first EOS."
-    width = max(len(s) for s in sequences)
-    pad = settings.pad_token_id
+    "Sample a continuation of each token sequence with `sample_completions`: the new tokens, up to the first EOS."
     device = next(policy.parameters()).device
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences], device=device)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
-    was_training = policy.training
-    policy.eval()
+    ids, mask = pad_left(sequences, settings.pad_token_id)
     config = generation_config(dataclasses.replace(settings, max_new_tokens=max_new_tokens))
-    out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    policy.train(was_training)
-    eos, new = set(settings.eos_token_ids), []
-    for row in out[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        new.append(row[:end])
-    return new
+    new, new_mask, _ = sample_completions(policy, ids.to(device), mask.to(device), config, settings.eos_token_ids,
+                                          share_prefill=False)   # plain generate: later turns share no prompt
+    return [row[keep.bool()].tolist() for row, keep in zip(new, new_mask)]
 
 # %% ../nbs/06e_tools.ipynb
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None,
@@ -378,6 +354,23 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
     return full[full_ends[len(turn_ends) - 1] + 1:]
 
 # %% ../nbs/06e_tools.ipynb
+@dataclass
+class _Rollout:
+    "One row's multi-turn state: prompt tokens, the completion so far, which tokens the model sampled, its messages."
+    prompt_ids: list[int]
+    tools: dict[str, Callable]
+    completion_ids: list[int] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+
+    def add(self, ids: list[int], sampled: bool):
+        self.completion_ids += ids
+        self.tool_mask += [int(sampled)] * len(ids)
+
+
+# %% ../nbs/06e_tools.ipynb
 class ToolLoopEngine(RolloutEngine):
     "Multi-turn rollouts: sample, run the tools the model calls, append their results, sample again."
 
@@ -395,6 +388,7 @@ class ToolLoopEngine(RolloutEngine):
         self.tool_timeout = tool_timeout
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory)
         self.last_environments = None       # each rollout's environment in the latest batch
+        self._warned_no_room = False
         tool_schemas(self.tools)
         self.chat_template = tool_chat_template(tokenizer)
 
@@ -402,256 +396,103 @@ class ToolLoopEngine(RolloutEngine):
         "The tools one rollout may call: the standalone ones and its environment's public methods."
         return self.tools + ([] if environment is None else environment_methods(environment))
 
-# %% ../nbs/06e_tools.ipynb
-@dataclass
-class _Rollout:
-    "One row's multi-turn state: prompt tokens, the completion so far, which tokens the model sampled, its messages."
-    prompt_ids: list[int]
-    tools: dict[str, Callable]
-    completion_ids: list[int] = field(default_factory=list)
-    tool_mask: list[int] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)
-    calls: int = 0
-    failures: int = 0
+    def warn_no_room(self, used: int, suffix: int, budget: int):
+        "Say once per engine that a tool's result was dropped for want of room: the rollout ends on its call, unanswered."
+        if self._warned_no_room:
+            return
+        self._warned_no_room = True
+        warnings.warn(f"a rollout's tool result ({suffix} tokens) did not fit after its {used} tokens in "
+                      f"max_completion_length={budget}: the rollout ends on its call, with no result and no answer, "
+                      "and scores as if it had not answered (the call still counts in tools/call_frequency, as in "
+                      "TRL). Raise max_completion_length to hold a call, its result and an answer.", stacklevel=2)
 
-    def add(self, ids: list[int], sampled: bool):
-        self.completion_ids += ids
-        self.tool_mask += [int(sampled)] * len(ids)
+    def answer_turn(self, rollout: _Rollout, ids: list[int], settings: SamplingSettings,
+                    may_call: bool = True) -> bool:
+        "Record the model's new turn; if it calls tools (and may) and there is room, append their results (True: again)."
+        rollout.add(ids, sampled=True)
+        content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True),
+                                          keep_malformed=not self.answer_malformed)
+        if not self.answer_malformed:
+            calls = [c for c in calls if c.error is None]      # TRL: what does not parse is not a call
+        rollout.messages.append({"role": "assistant", "content": content,
+                                 **({"tool_calls": [c.message() for c in calls if c.error is None]}
+                                    if calls else {})})
+        if not calls or not rollout.tools or not may_call:
+            return False
+        answers = [answer_call(call, rollout.tools, self.tool_timeout) for call in calls]
+        rollout.calls += len(calls)
+        rollout.failures += sum(failed for _, failed in answers)
+        messages = [message for message, _ in answers]
+        suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, settings.chat_template_kwargs,
+                                 settings.eos_token_ids)
+        if len(rollout.completion_ids) + len(suffix) >= settings.max_new_tokens:
+            self.warn_no_room(len(rollout.completion_ids), len(suffix), settings.max_new_tokens)
+            return False                     # no room left to read the results and answer: the rollout ends here
+        rollout.add(suffix, sampled=False)
+        rollout.messages += messages
+        return True
 
+    def render(self, prompt, tools: list[Callable], settings: SamplingSettings) -> str:
+        "The prompt text, with the tools' schemas shown by the chat template."
+        if not is_conversational(prompt):
+            raise ToolError(f"tool-calling rollouts need conversational prompts (lists of role/content messages), "
+                            f"got {str(prompt)[:60]!r}: write prompts as [{{'role': 'user', 'content': ...}}].")
+        return self.tokenizer.apply_chat_template(list(prompt), tools=tool_schemas(tools) or None,
+                                                  chat_template=self.chat_template, add_generation_prompt=True,
+                                                  tokenize=False, **settings.chat_template_kwargs)
 
-@patch
-def warn_no_room(self: ToolLoopEngine, used: int, suffix: int, budget: int):
-    "Say once per engine that a tool's result was dropped for want of room: such a rollout ends on its call, unanswered."
-    if getattr(self, "_warned_no_room", False):
-        return
-    self._warned_no_room = True
-    warnings.warn(f"a rollout's tool result ({suffix} tokens) did not fit after its {used} tokens in "
-                  f"max_completion_length={budget}: the rollout ends on its call, with no result and no answer, and "
-                  "scores as if it had not answered (the call still counts in tools/call_frequency, as in TRL). Raise "
-                  "max_completion_length to hold a call, its result and an answer.", stacklevel=2)
+    def generate(self, rows: list[dict], group: torch.Tensor, policy, settings: SamplingSettings,
+                 step: int) -> Completions:
+        "G multi-turn rollouts per prompt; completions hold the model's and the tools' tokens, told apart by `tool_mask`."
+        environments = self.environments.take(rows) if self.environments else [None] * len(rows)
+        multiple = bool(self.environments and self.environments.multiple)
+        prompts = [row["prompt"] if env is None else reset_prompt(env, row, multiple)
+                   for row, env in zip(rows, environments)]
+        tools = [self.tools_for(env) for env in environments]
+        texts = [self.render(p, t, settings) for p, t in zip(prompts, tools)]
+        prompt_ids, prompt_mask, _ = tokenize_prompts(self.tokenizer, texts, settings.max_prompt_length,
+                                                      settings.pad_to_multiple_of)
+        rollouts = [_Rollout(ids[mask.bool()].tolist(), {t.__name__: t for t in tool_list})
+                    for ids, mask, tool_list in zip(prompt_ids, prompt_mask, tools)]
+        active, rounds = list(range(len(rows))), 0
+        while active:
+            budgets = [settings.max_new_tokens - len(rollouts[i].completion_ids) for i in active]
+            new = continue_sequences(policy, [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in active],
+                                     settings, max(budgets))
+            may_call = self.max_iterations is None or rounds < self.max_iterations
+            active = [i for i, ids, budget in zip(active, new, budgets)
+                      if self.answer_turn(rollouts[i], ids[:budget], settings, may_call)]
+            rounds += 1
+        self.last_environments = environments if self.environments else None     # TRL's trainer.environments
+        out = self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings,
+                               next(policy.parameters()).device)
+        if self.environments:
+            out.extra["prompt"] = prompts            # reward functions see the prompt after reset(), as in TRL
+        return out
 
+    def completions(self, rollouts: list[_Rollout], texts: list[str], prompt_ids: torch.Tensor,
+                    prompt_mask: torch.Tensor, group: torch.Tensor, environments: list, settings: SamplingSettings,
+                    device=None) -> Completions:
+        "The rollouts as the engine interface's `Completions`, with TRL's tool metrics."
+        ids = [r.completion_ids for r in rollouts]
+        completion_ids = pad_right(ids, settings.pad_token_id)
+        completion_mask = length_mask([len(x) for x in ids], completion_ids.size(1))
+        tool_mask = pad_right([r.tool_mask for r in rollouts], 1)    # padding: 1, as TRL (completion_mask hides it)
+        truncated = truncated_rows(ids, settings.eos_token_ids)     # judged by the last turn's last token
+        counts = torch.tensor([sum(r.calls for r in rollouts), sum(r.failures for r in rollouts), len(rollouts)],
+                              dtype=torch.float64, device=device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)        # TRL's frequencies are over every process's rollouts
+        calls, failures, total = counts.tolist()
+        metrics = {"tools/call_frequency": calls / total,
+                   "tools/failure_frequency": failures / calls if calls else 0.0}
+        extra = {"completion_messages": [r.messages for r in rollouts]}
+        if self.environments is not None:
+            extra["environments"] = environments
+        on = lambda t: t.to(device or "cpu")
+        return Completions(texts, on(prompt_ids), on(prompt_mask), on(completion_ids), on(completion_mask),
+                           on(truncated), group, tool_mask=on(tool_mask), extra=extra, metrics=metrics)
 
-@patch
-def answer_turn(self: ToolLoopEngine, rollout: _Rollout, ids: list[int], settings: SamplingSettings,
-                 may_call: bool = True) -> bool:
-    "Record the model's new turn; if it calls tools (and may) and there is room, append their results. True: sample again."
-    rollout.add(ids, sampled=True)
-    content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True),
-                                      keep_malformed=not self.answer_malformed)
-    if not self.answer_malformed:
-        calls = [c for c in calls if c.error is None]      # TRL: what does not parse is not a call
-    rollout.messages.append({"role": "assistant", "content": content,
-                             **({"tool_calls": [c.message() for c in calls if c.error is None]} if calls else {})})
-    if not calls or not rollout.tools or not may_call:
-        return False
-    answers = [answer_call(call, rollout.tools, self.tool_timeout) for call in calls]
-    rollout.calls += len(calls)
-    rollout.failures += sum(failed for _, failed in answers)
-    messages = [message for message, _ in answers]
-    suffix = tool_suffix_ids(self.tokenizer, messages, self.chat_template, settings.chat_template_kwargs,
-                             settings.eos_token_ids)
-    if len(rollout.completion_ids) + len(suffix) >= settings.max_new_tokens:
-        self.warn_no_room(len(rollout.completion_ids), len(suffix), settings.max_new_tokens)
-        return False                     # no room left to read the results and answer: the rollout ends here
-    rollout.add(suffix, sampled=False)
-    rollout.messages += messages
-    return True
-
-# %% ../nbs/06e_tools.ipynb
-@patch
-def render(self: ToolLoopEngine, prompt, tools: list[Callable], settings: SamplingSettings) -> str:
-    "The prompt text, with the tools' schemas shown by the chat template."
-    if not is_conversational(prompt):
-        raise ToolError(f"tool-calling rollouts need conversational prompts (lists of role/content messages), got "
-                        f"{str(prompt)[:60]!r}: write prompts as [{{'role': 'user', 'content': ...}}].")
-    return self.tokenizer.apply_chat_template(list(prompt), tools=tool_schemas(tools) or None,
-                                              chat_template=self.chat_template, add_generation_prompt=True,
-                                              tokenize=False, **settings.chat_template_kwargs)
-
-
-@patch
-def generate(self: ToolLoopEngine, rows: list[dict], group: torch.Tensor, policy, settings: SamplingSettings,
-              step: int) -> Completions:
-    "G multi-turn rollouts per prompt; completions hold the model's and the tools' tokens, `tool_mask` tells them apart."
-    environments = self.environments.take(rows) if self.environments else [None] * len(rows)
-    multiple = bool(self.environments and self.environments.multiple)
-    prompts = [row["prompt"] if env is None else reset_prompt(env, row, multiple) for row, env in zip(rows, environments)]
-    tools = [self.tools_for(env) for env in environments]
-    texts = [self.render(p, t, settings) for p, t in zip(prompts, tools)]
-    prompt_ids, prompt_mask, _ = tokenize_prompts(self.tokenizer, texts, settings.max_prompt_length,
-                                                  settings.pad_to_multiple_of)
-    rollouts = [_Rollout(ids[mask.bool()].tolist(), {t.__name__: t for t in tool_list})
-                for ids, mask, tool_list in zip(prompt_ids, prompt_mask, tools)]
-    active, rounds = list(range(len(rows))), 0
-    while active:
-        budgets = [settings.max_new_tokens - len(rollouts[i].completion_ids) for i in active]
-        new = continue_sequences(policy, [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in active],
-                                 settings, max(budgets))
-        may_call = self.max_iterations is None or rounds < self.max_iterations
-        active = [i for i, ids, budget in zip(active, new, budgets)
-                  if self.answer_turn(rollouts[i], ids[:budget], settings, may_call)]
-        rounds += 1
-    self.last_environments = environments if self.environments else None     # TRL's trainer.environments
-    out = self.completions(rollouts, texts, prompt_ids, prompt_mask, group, environments, settings,
-                           next(policy.parameters()).device)
-    if self.environments:
-        out.extra["prompt"] = prompts            # reward functions see the prompt after reset(), as in TRL
-    return out
-
-# %% ../nbs/06e_tools.ipynb
-@patch
-def completions(self: ToolLoopEngine, rollouts: list[_Rollout], texts: list[str], prompt_ids: torch.Tensor,
-                 prompt_mask: torch.Tensor, group: torch.Tensor, environments: list, settings: SamplingSettings,
-                 device=None) -> Completions:
-    "The rollouts as the engine interface's `Completions`, with TRL's tool metrics."
-    ids = [r.completion_ids for r in rollouts]
-    lengths = torch.tensor([len(x) for x in ids])
-    completion_ids = pad_right(ids, settings.pad_token_id)
-    completion_mask = (torch.arange(completion_ids.size(1)).unsqueeze(0) < lengths.unsqueeze(1)).int()
-    tool_mask = pad_right([r.tool_mask for r in rollouts], 1)        # padding: 1, as TRL (completion_mask hides it)
-    eos = set(settings.eos_token_ids)
-    truncated = torch.tensor([not x or x[-1] not in eos for x in ids])
-    counts = torch.tensor([sum(r.calls for r in rollouts), sum(r.failures for r in rollouts), len(rollouts)],
-                          dtype=torch.float64, device=device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(counts)        # TRL's frequencies are over every process's rollouts
-    calls, failures, total = counts.tolist()
-    metrics = {"tools/call_frequency": calls / total, "tools/failure_frequency": failures / calls if calls else 0.0}
-    extra = {"completion_messages": [r.messages for r in rollouts]}
-    if self.environments is not None:
-        extra["environments"] = environments
-    on = lambda t: t.to(device or "cpu")
-    return Completions(texts, on(prompt_ids), on(prompt_mask), on(completion_ids), on(completion_mask), on(truncated),
-                       group, tool_mask=on(tool_mask), extra=extra, metrics=metrics)
-
-# %% ../nbs/06e_tools.ipynb
-WORKED_EXAMPLE = [
-    {"role": "user", "content": "What is 503 times 71?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 503, "b": 71}}}]},
-    {"role": "tool", "name": "multiply", "content": "35713"},
-    {"role": "assistant", "content": "503 times 71 is 35713."}]
-
-
-def multiplication_problems(n: int, seed: int = 0, exclude: set | None = None) -> list[dict]:
-    "`n` rows asking for a 3-digit x 2-digit product (`a`, `b`, `answer` columns), none of the pairs in `exclude`."
-    import random
-    rng, rows, seen = random.Random(seed), [], set(exclude or ())
-    while len(rows) < n:
-        a, b = rng.randint(100, 999), rng.randint(10, 99)
-        if (a, b) in seen:
-            continue
-        seen.add((a, b))
-        rows.append({"prompt": WORKED_EXAMPLE + [{"role": "user", "content": f"What is {a} times {b}?"}],
-                     "a": a, "b": b, "answer": a * b})
-    return rows
-
-# %% ../nbs/06e_tools.ipynb
-def final_answer(completion) -> str:
-    "The text of a completion's last assistant turn (a completion is text or a list of messages)."
-    if isinstance(completion, str):
-        return completion
-    turns = [m["content"] for m in completion if m["role"] == "assistant"]
-    return turns[-1] if turns else ""
-
-
-def last_number(text: str) -> int | None:
-    "The last integer in `text` (thousands separators allowed), or None."
-    found = re.findall(r"-?\d[\d,]*", text)
-    return int(found[-1].replace(",", "")) if found else None
-
-
-def product_reward(completions, answer, **kwargs) -> list[float]:
-    "1 where the final answer's last number is the product, else 0."
-    return [float(last_number(final_answer(c)) == a) for c, a in zip(completions, answer)]
-
-# %% ../nbs/06e_tools.ipynb
-def _calls_of(messages: list[dict]) -> tuple[int, int]:
-    "Calls a rollout made (malformed ones, answered or left as text, included) and how many were well formed."
-    tool_turns = [m for m in messages if m["role"] == "tool"]
-    answered = sum(m["content"].startswith('{"error": "the tool call could not be read') for m in tool_turns)
-    as_text = sum(len(_CALL.findall(m.get("content") or "")) for m in messages if m["role"] == "assistant")
-    return len(tool_turns) + as_text, len(tool_turns) - answered
-
-
-def tool_use_stats(completion_messages: list[list[dict]], answers: list[int]) -> dict:
-    "Call rate, well-formed share of calls, accuracy, and accuracy of the rollouts with and without a well-formed call."
-    calls = [_calls_of(m) for m in completion_messages]
-    correct = product_reward(completion_messages, answers)
-    used = [good > 0 for _, good in calls]
-    with_tool = [c for c, u in zip(correct, used) if u]
-    without = [c for c, u in zip(correct, used) if not u]
-    made = sum(n for n, _ in calls)
-    return {"call_rate": sum(n > 0 for n, _ in calls) / len(calls),
-            "well_formed": sum(g for _, g in calls) / made if made else 0.0,
-            "accuracy": sum(correct) / len(correct),
-            "accuracy_with_tool": sum(with_tool) / len(with_tool) if with_tool else 0.0,
-            "accuracy_without_tool": sum(without) / len(without) if without else 0.0}
-
-# %% ../nbs/06e_tools.ipynb
-def ideal_transcript(tokenizer, row: dict, engine: ToolLoopEngine) -> tuple[list[int], list[int]]:
-    "Token ids of a perfect rollout of a multiplication `row` (call, result, answer) and its labels (-100: not trained)."
-    prompt = tokenizer(engine.render(row["prompt"], engine.tools, SamplingSettings()), add_special_tokens=False)
-    call = tokenizer('<tool_call>\n{"name": "multiply", "arguments": {"a": %d, "b": %d}}\n</tool_call><|im_end|>'
-                     % (row["a"], row["b"]), add_special_tokens=False)["input_ids"]
-    result = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "multiply", "content": str(row["answer"])}],
-                             engine.chat_template)
-    answer = tokenizer(f"{row['a']} times {row['b']} is {row['answer']}.<|im_end|>", add_special_tokens=False)["input_ids"]
-    ids = prompt["input_ids"] + call + result + answer
-    return ids, [-100] * len(prompt["input_ids"]) + call + [-100] * len(result) + answer
-
-
-def warm_start(model, tokenizer, rows: list[dict], steps: int, batch: int = 4, learning_rate: float = 1e-4) -> list[float]:
-    "`steps` supervised AdamW steps on ideal transcripts of `rows` (tool tokens untrained); the losses."
-    engine = ToolLoopEngine(tokenizer, tools=[multiply])
-    examples = [ideal_transcript(tokenizer, row, engine) for row in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    model.train()
-    losses = []
-    for step in range(steps):
-        chunk = [examples[(step * batch + i) % len(examples)] for i in range(batch)]
-        input_ids = pad_right([ids for ids, _ in chunk], tokenizer.pad_token_id)
-        labels = pad_right([labels for _, labels in chunk], -100)
-        mask = pad_right([[1] * len(ids) for ids, _ in chunk], 0)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(round(loss.item(), 3))
-    return losses
-
-# %% ../nbs/06e_tools.ipynb
-def switched_off(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    raise RuntimeError("the calculator is switched off; answer without it")
-
-switched_off.__name__ = "multiply"      # the model sees the same tool; every call is answered with an error
-
-
-def sample_rollouts(model, tokenizer, rows: list[dict], max_new_tokens: int, tool: Callable = multiply,
-                    batch: int = 16) -> list[list[dict]]:
-    "One rollout per row (temperature 1, one round of calls), as each rollout's messages."
-    engine = ToolLoopEngine(tokenizer, tools=[tool], max_tool_calling_iterations=1)
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, eos_token_ids=[tokenizer.eos_token_id],
-                                pad_token_id=tokenizer.pad_token_id)
-    messages = []
-    for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
-        messages += engine.generate(chunk, torch.arange(len(chunk)), model, settings, 0).extra["completion_messages"]
-    return messages
-
-
-def held_out_stats(model, tokenizer, rows: list[dict], max_new_tokens: int = 96) -> dict:
-    "`tool_use_stats` of one rollout per row, plus the accuracy with the calculator switched off."
-    answers = [row["answer"] for row in rows]
-    messages = sample_rollouts(model, tokenizer, rows, max_new_tokens)
-    off = sample_rollouts(model, tokenizer, rows, max_new_tokens, tool=switched_off)
-    return {**tool_use_stats(messages, answers), "accuracy_tool_off": sum(product_reward(off, answers)) / len(rows)}
 
 # %% ../nbs/06e_tools.ipynb
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -697,14 +538,10 @@ class RolloutFuncEngine(RolloutEngine):
         output = check_rollout_output(self.rollout_func(prompts, self.trainer), len(rows))
         prompt_lists, completion_lists = output["prompt_ids"], output["completion_ids"]
         pad = settings.pad_token_id
-        width = max(len(p) for p in prompt_lists)
-        prompt_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_lists])
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_lists])
+        prompt_ids, prompt_mask = pad_left(prompt_lists, pad)
         completion_ids = pad_right(completion_lists, pad)
-        lengths = torch.tensor([len(c) for c in completion_lists])
-        completion_mask = (torch.arange(completion_ids.size(1)).unsqueeze(0) < lengths.unsqueeze(1)).int()
-        ends = set(settings.eos_token_ids) | {pad}
-        truncated = torch.tensor([not c or c[-1] not in ends for c in completion_lists])
+        completion_mask = length_mask([len(c) for c in completion_lists], completion_ids.size(1))
+        truncated = truncated_rows(completion_lists, [*settings.eos_token_ids, pad])    # TRL: pad ends one too
         env_mask = output.get("env_mask")
         tool_mask = None if env_mask is None else pad_right(env_mask, 1)
         extra = {k: v if isinstance(v, list) else [v] * len(rows)          # a single value reaches every row

@@ -22,15 +22,17 @@ from pathlib import Path
 
 import torch
 
-from .rollout import Completions, RolloutEngine, SamplingSettings, completion_mask, prepare_prompts
+from .rollout import (Completions, RolloutEngine, SamplingSettings, completion_mask, group_starts,
+    pad_right, prepare_prompts)
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'VLLM_INSTALL', 'IS_MODES', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm',
            'importance_sampling_weights', 'check_vllm_config', 'is_clip_max', 'merged_weights', 'sampling_params',
-           'group_requests', 'to_completions', 'VLLMColocateEngine', 'push_weights', 'policy_weights', 'VLLMServer',
-           'serve', 'main', 'VLLMServerEngine', 'vllm_engine_from_config']
+           'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_samples', 'make_llm',
+           'VLLMEngine', 'VLLMColocateEngine', 'VLLMServer', 'serve', 'main', 'VLLMServerEngine',
+           'vllm_engine_from_config']
 
 # %% ../nbs/06d_vllm.ipynb
 VLLM_INSTALL = ('On a CUDA machine: pip install "grpo-lab[vllm]". On a CPU-only machine: pip install torch==2.13.0 '
@@ -223,7 +225,7 @@ def sampling_params(settings: SamplingSettings, n: int, structured_outputs_regex
 def group_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: torch.Tensor,
                    greedy: bool = False) -> list[tuple[list[int], int]]:
     "One `(prompt token ids, n)` per group of consecutive rows; with greedy decoding one per row (`n=1`)."
-    starts = torch.cat([torch.ones(1, dtype=torch.bool), group[1:] != group[:-1]]).nonzero().flatten().tolist()
+    starts = group_starts(group).nonzero().flatten().tolist()
     ends = starts[1:] + [len(group)]
     requests = []
     for start, end in zip(starts, ends):
@@ -235,12 +237,8 @@ def group_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group: t
 def to_completions(texts, prompt_ids, prompt_mask, group, samples: list[tuple[list[int], list[float]]],
                    settings: SamplingSettings, device=None) -> Completions:
     "`Completions` from one `(token ids, log-probs)` per row, right-padded (log-probs padded with 0), on `device`."
-    width = max(1, max(len(ids) for ids, _ in samples))
-    c_ids = torch.full((len(samples), width), settings.pad_token_id, dtype=torch.long)
-    logps = torch.zeros(len(samples), width)
-    for i, (ids, lps) in enumerate(samples):
-        c_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        logps[i, :len(lps)] = torch.tensor(lps, dtype=torch.float)
+    c_ids = pad_right([ids for ids, _ in samples], settings.pad_token_id)
+    logps = pad_right([lps for _, lps in samples], 0.0, dtype=torch.float)
     mask, truncated = completion_mask(c_ids, settings.eos_token_ids)
     on = lambda t: t.to(device or "cpu")
     return Completions(texts, on(prompt_ids), on(prompt_mask), on(c_ids), on(mask), on(truncated), group,
@@ -266,27 +264,6 @@ def _vllm_dtype(policy, dtype: str | None) -> str:
     return str(param.dtype).removeprefix("torch.") if param.dtype.is_floating_point else "bfloat16"
 
 # %% ../nbs/06d_vllm.ipynb
-class VLLMColocateEngine(RolloutEngine):
-    "vLLM in the trainer's process: one request per group with `n=G`, its own copy of the policy's weights."
-
-    def __init__(self, policy, tokenizer, *, dtype: str | None = None, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, model_impl: str = "vllm",
-                 structured_outputs_regex: str | None = None, device=None, **llm_kwargs):
-        vllm = import_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # the engine lives in this process
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")              # GiB of KV cache on CPU
-        self.tokenizer, self.regex, self.synced_step, self.device = tokenizer, structured_outputs_regex, None, device
-        threads = torch.get_num_threads()
-        self.llm = vllm.LLM(model=_policy_path(policy), tokenizer=_policy_path(policy), dtype=_vllm_dtype(policy, dtype),
-                            max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
-                            enforce_eager=not torch.cuda.is_available(),
-                            **llm_kwargs)
-        if torch.get_num_threads() != threads:       # vLLM binds its threads; the trainer keeps its own count
-            torch.set_num_threads(threads)
-        self.weight_sync_seconds = 0.0
-
-# %% ../nbs/06d_vllm.ipynb
 @torch.no_grad()
 def push_weights(llm, weights: dict[str, torch.Tensor]) -> None:
     "Load `weights` (checkpoint names and format) into an in-process `vllm.LLM`, then drop its stale prefix cache."
@@ -302,35 +279,6 @@ def policy_weights(policy) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in policy.named_parameters()}
 
 
-def _sync(self: VLLMColocateEngine, policy, step: int) -> None:
-    "Push the policy's weights when `step` moved since the last push."
-    if step == self.synced_step:
-        return
-    start = time.perf_counter()
-    push_weights(self.llm, policy_weights(policy))
-    self.synced_step, self.weight_sync_seconds = step, time.perf_counter() - start
-
-
-VLLMColocateEngine.sync = _sync
-
-# %% ../nbs/06d_vllm.ipynb
-def _generate(self: VLLMColocateEngine, rows: list[dict], group: torch.Tensor, policy, settings: SamplingSettings,
-              step: int) -> Completions:
-    "Sample `settings` completions for `rows` with the policy as of `step` (weights pushed first if it moved)."
-    self.sync(policy, step)
-    texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings)
-    requests = group_requests(p_ids, p_mask, group, greedy=settings.temperature == 0)
-    params = {n: sampling_params(settings, n, self.regex) for n in {n for _, n in requests}}
-    start = time.perf_counter()
-    outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
-                                [params[n] for _, n in requests], use_tqdm=False)
-    samples = [(list(s.token_ids), _sampled_logps(s)) for out in outputs for s in out.outputs]
-    done = to_completions(texts, p_ids, p_mask, group, samples, settings, self.device)
-    done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
-                    "vllm/weight_sync_seconds": self.weight_sync_seconds}
-    return done
-
-
 def _sampled_logps(sample) -> list[float]:
     "The engine's log-prob of each token it sampled (NaN where it gave none)."
     if not sample.logprobs:
@@ -338,12 +286,88 @@ def _sampled_logps(sample) -> list[float]:
     return [d[t].logprob if t in d else math.nan for d, t in zip(sample.logprobs, sample.token_ids)]
 
 
-def _close(self: VLLMColocateEngine) -> None:
-    "Free the engine (its KV cache and weights)."
-    self.llm = None
+def vllm_samples(llm, requests: list[tuple[list[int], int]], settings: SamplingSettings,
+                 structured_outputs_regex: str | None = None) -> list[tuple[list[int], list[float]]]:
+    "One `(token ids, log-probs)` per sample of `requests` (`(prompt ids, n)` each), in order, from a `vllm.LLM`."
+    params = {n: sampling_params(settings, n, structured_outputs_regex) for n in {n for _, n in requests}}
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], [params[n] for _, n in requests],
+                           use_tqdm=False)
+    return [(list(s.token_ids), _sampled_logps(s)) for out in outputs for s in out.outputs]
 
 
-VLLMColocateEngine.generate, VLLMColocateEngine.close = _generate, _close
+def make_llm(model: str, **llm_kwargs):
+    "A `vllm.LLM` in this process, as both engines build it: processed log-probs, eager on CPU, a small CPU KV cache."
+    vllm = import_vllm()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # the engine lives in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")              # GiB of KV cache on CPU
+    return vllm.LLM(model=str(model), logprobs_mode="processed_logprobs", enforce_eager=not torch.cuda.is_available(),
+                    **llm_kwargs)
+
+
+# %% ../nbs/06d_vllm.ipynb
+class VLLMEngine(RolloutEngine):
+    """What both vLLM engines do: one request per group, the policy's weights pushed when `step` moved, the samples
+    as `Completions` with the engine's log-probs. A subclass says how weights travel (`push`) and who samples (`sample`)."""
+
+    def __init__(self, tokenizer, structured_outputs_regex: str | None = None, device=None):
+        self.tokenizer, self.regex, self.device = tokenizer, structured_outputs_regex, device
+        self.synced_step, self.weight_sync_seconds = None, 0.0
+
+    def push(self, weights: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define push(weights): load them into its vLLM.")
+
+    def sample(self, requests: list[tuple[list[int], int]], settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
+        raise NotImplementedError(f"{type(self).__name__} must define sample(requests, settings): one (ids, logps) "
+                                  "per sample, in order.")
+
+    def sync(self, policy, step: int) -> None:
+        "Push the policy's weights when `step` moved since the last push."
+        if step == self.synced_step:
+            return
+        start = time.perf_counter()
+        self.push(policy_weights(policy))
+        self.synced_step, self.weight_sync_seconds = step, time.perf_counter() - start
+
+    def generate(self, rows: list[dict], group: torch.Tensor, policy, settings: SamplingSettings,
+                 step: int) -> Completions:
+        "Sample `settings` completions for `rows` with the policy as of `step` (weights pushed first if it moved)."
+        self.sync(policy, step)
+        texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings)
+        requests = group_requests(p_ids, p_mask, group, greedy=settings.temperature == 0)
+        start = time.perf_counter()
+        samples = self.sample(requests, settings)
+        done = to_completions(texts, p_ids, p_mask, group, samples, settings, self.device)
+        done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
+                        "vllm/weight_sync_seconds": self.weight_sync_seconds}
+        return done
+
+
+# %% ../nbs/06d_vllm.ipynb
+class VLLMColocateEngine(VLLMEngine):
+    "vLLM in the trainer's process: one request per group with `n=G`, its own copy of the policy's weights."
+
+    def __init__(self, policy, tokenizer, *, dtype: str | None = None, max_model_len: int | None = None, seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, model_impl: str = "vllm",
+                 structured_outputs_regex: str | None = None, device=None, **llm_kwargs):
+        import_vllm()                    # first: without vLLM, say how to install it
+        super().__init__(tokenizer, structured_outputs_regex, device)
+        threads = torch.get_num_threads()
+        self.llm = make_llm(_policy_path(policy), tokenizer=_policy_path(policy), dtype=_vllm_dtype(policy, dtype),
+                            max_model_len=max_model_len, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                            model_impl=model_impl, **llm_kwargs)
+        if torch.get_num_threads() != threads:       # vLLM binds its threads; the trainer keeps its own count
+            torch.set_num_threads(threads)
+
+    def push(self, weights: dict[str, torch.Tensor]) -> None:
+        push_weights(self.llm, weights)
+
+    def sample(self, requests, settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
+        return vllm_samples(self.llm, requests, settings, self.regex)
+
+    def close(self) -> None:
+        "Free the engine (its KV cache and weights)."
+        self.llm = None
+
 
 # %% ../nbs/06d_vllm.ipynb
 DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "grpo-lab" / "vllm-serve-token"
@@ -418,11 +442,7 @@ class VLLMServer(HTTPServer):
         "Sample for `{'requests': [[ids, n], ...], 'settings': {...}}`; one list of `[ids, logps]` per request."
         request = json.loads(body)
         settings = SamplingSettings(**request["settings"])
-        requests = request["requests"]
-        params = {n: sampling_params(settings, n, request.get("regex")) for n in {n for _, n in requests}}
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
-                                    [params[n] for _, n in requests], use_tqdm=False)
-        return {"samples": [[list(s.token_ids), _sampled_logps(s)] for out in outputs for s in out.outputs]}
+        return {"samples": vllm_samples(self.llm, request["requests"], settings, request.get("regex"))}
 
     def load(self, body: bytes) -> dict:
         "Load the safetensors payload `body` as the model's weights."
@@ -434,14 +454,10 @@ class VLLMServer(HTTPServer):
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", max_model_len: int | None = None,
           seed: int = 0, token: str | None = None, token_file: str | Path | None = None, **llm_kwargs) -> None:
     "Serve `model` with vLLM on `host:port` until interrupted; print where, and the token weight updates need."
-    vllm = import_vllm()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoConfig
     token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or secrets.token_urlsafe(24)
     token_file = Path(token_file or DEFAULT_TOKEN_FILE)
-    llm = vllm.LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                   logprobs_mode="processed_logprobs", enforce_eager=not torch.cuda.is_available(), **llm_kwargs)
+    llm = make_llm(model, dtype=dtype, max_model_len=max_model_len, seed=seed, **llm_kwargs)
     info = {"model": str(model), "dtype": dtype, "max_model_len": llm.llm_engine.model_config.max_model_len,
             "signature": _model_signature(AutoConfig.from_pretrained(model))}
     server = VLLMServer(llm, (host, port), token, info)
@@ -474,21 +490,6 @@ if __name__ == "__main__":
     main()
 
 # %% ../nbs/06d_vllm.ipynb
-class VLLMServerEngine(RolloutEngine):
-    "The trainer's side of `grpo-lab vllm-serve`: generation batches and weight updates over HTTP on localhost."
-
-    def __init__(self, policy, tokenizer, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-                 timeout: float = 240.0, token: str | None = None, token_file: str | Path | None = None,
-                 structured_outputs_regex: str | None = None, device=None):
-        host = "127.0.0.1" if host == "0.0.0.0" else host         # TRL's default names the local machine
-        self.url = (base_url or f"http://{host}:{port}").rstrip("/")
-        self.tokenizer, self.regex, self.device = tokenizer, structured_outputs_regex, device
-        self.synced_step, self.weight_sync_seconds = None, 0.0
-        self.info = self._wait(timeout)
-        self.token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or _read_token(Path(token_file or DEFAULT_TOKEN_FILE))
-        self._check_model(policy)
-
-# %% ../nbs/06d_vllm.ipynb
 def _read_token(path: Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"No server token at {path}: start the server first (grpo-lab vllm-serve writes it "
@@ -496,67 +497,61 @@ def _read_token(path: Path) -> str:
     return path.read_text().strip()
 
 
-def _request(self: VLLMServerEngine, method: str, route: str, body: bytes | None = None, timeout: float = 600.0):
-    "One HTTP call; the JSON answer, or an error that says what the server said."
-    request = urllib.request.Request(self.url + route, data=body, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}"} if method == "POST" else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"vLLM server {self.url}{route} answered {e.code}: {e.read().decode()[:500]}") from e
-
-
-def _wait(self: VLLMServerEngine, timeout: float) -> dict:
-    "Wait up to `timeout` seconds for the server; its `/info`."
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return self._request("GET", "/info", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
-        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as e:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"No vLLM server answered at {self.url} within vllm_server_timeout={timeout} s "
-                                   f"({e}); start one with `grpo-lab vllm-serve --model <folder>` (or python -m "
-                                   "grpo_lab.vllm_engine serve ...), check vllm_server_host/port or "
-                                   "vllm_server_base_url, or raise vllm_server_timeout.") from e
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-
-
-def _check_model(self: VLLMServerEngine, policy) -> None:
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    mine, theirs = _model_signature(base.config), self.info["signature"]
-    if mine != theirs:
-        raise ValueError(f"The vLLM server at {self.url} serves {self.info['model']} ({theirs}), not the policy "
-                         f"({mine}): restart it with `grpo-lab vllm-serve --model {_policy_path(policy)}`.")
-
-
-VLLMServerEngine._request, VLLMServerEngine._wait, VLLMServerEngine._check_model = _request, _wait, _check_model
-
 # %% ../nbs/06d_vllm.ipynb
-def _server_sync(self: VLLMServerEngine, policy, step: int) -> None:
-    "Send the policy's weights (safetensors over HTTP) when `step` moved since the last push."
-    if step == self.synced_step:
-        return
-    start = time.perf_counter()
-    self._request("POST", "/weights", _tensors_to_bytes(policy_weights(policy)))
-    self.synced_step, self.weight_sync_seconds = step, time.perf_counter() - start
+class VLLMServerEngine(VLLMEngine):
+    "The trainer's side of `grpo-lab vllm-serve`: generation batches and weight updates over HTTP on localhost."
 
+    def __init__(self, policy, tokenizer, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+                 timeout: float = 240.0, token: str | None = None, token_file: str | Path | None = None,
+                 structured_outputs_regex: str | None = None, device=None):
+        super().__init__(tokenizer, structured_outputs_regex, device)
+        host = "127.0.0.1" if host == "0.0.0.0" else host         # TRL's default names the local machine
+        self.url = (base_url or f"http://{host}:{port}").rstrip("/")
+        self.info = self._wait(timeout)
+        self.token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or _read_token(Path(token_file or DEFAULT_TOKEN_FILE))
+        self._check_model(policy)
 
-def _server_generate(self: VLLMServerEngine, rows, group, policy, settings: SamplingSettings, step: int) -> Completions:
-    "As `VLLMColocateEngine.generate`, the sampling done by the server."
-    self.sync(policy, step)
-    texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings)
-    requests = group_requests(p_ids, p_mask, group, greedy=settings.temperature == 0)
-    payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
-    start = time.perf_counter()
-    samples = self._request("POST", "/generate", json.dumps(payload).encode())["samples"]
-    done = to_completions(texts, p_ids, p_mask, group, [tuple(s) for s in samples], settings, self.device)
-    done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
-                    "vllm/weight_sync_seconds": self.weight_sync_seconds}
-    return done
+    def push(self, weights: dict[str, torch.Tensor]) -> None:
+        "Send the weights as one safetensors payload."
+        self._request("POST", "/weights", _tensors_to_bytes(weights))
 
+    def sample(self, requests, settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
+        "The server's samples of `requests`."
+        payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
+        return [tuple(s) for s in self._request("POST", "/generate", json.dumps(payload).encode())["samples"]]
 
-VLLMServerEngine.sync, VLLMServerEngine.generate = _server_sync, _server_generate
+    def _request(self, method: str, route: str, body: bytes | None = None, timeout: float = 600.0):
+        "One HTTP call; the JSON answer, or an error that says what the server said."
+        request = urllib.request.Request(self.url + route, data=body, method=method,
+                                         headers={"Authorization": f"Bearer {self.token}"} if method == "POST" else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {self.url}{route} answered {e.code}: {e.read().decode()[:500]}") from e
+
+    def _wait(self, timeout: float) -> dict:
+        "Wait up to `timeout` seconds for the server; its `/info`."
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._request("GET", "/info", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as e:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"No vLLM server answered at {self.url} within vllm_server_timeout={timeout} s "
+                                       f"({e}); start one with `grpo-lab vllm-serve --model <folder>` (or python -m "
+                                       "grpo_lab.vllm_engine serve ...), check vllm_server_host/port or "
+                                       "vllm_server_base_url, or raise vllm_server_timeout.") from e
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _check_model(self, policy) -> None:
+        "Refuse a server that serves another model than the policy's."
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        mine, theirs = _model_signature(base.config), self.info["signature"]
+        if mine != theirs:
+            raise ValueError(f"The vLLM server at {self.url} serves {self.info['model']} ({theirs}), not the policy "
+                             f"({mine}): restart it with `grpo-lab vllm-serve --model {_policy_path(policy)}`.")
+
 
 # %% ../nbs/06d_vllm.ipynb
 def vllm_engine_from_config(args, policy, tokenizer, device=None) -> RolloutEngine:

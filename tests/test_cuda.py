@@ -285,8 +285,8 @@ def test_generate_and_shared_prefill_agree_on_cuda():
     config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_token_ids(model, tokenizer))
     assert prefill_once_per_prompt(model, ids, mask, group) is not None      # the shared path really runs
-    plain = sample_completions(model, tokenizer, ids, mask, config, eos_token_ids(model, tokenizer), False, group)
-    shared = sample_completions(model, tokenizer, ids, mask, config, eos_token_ids(model, tokenizer), True, group)
+    plain = sample_completions(model, ids, mask, config, eos_token_ids(model, tokenizer), False, group)
+    shared = sample_completions(model, ids, mask, config, eos_token_ids(model, tokenizer), True, group)
     for a, b in zip(plain, shared):
         assert a.device.type == DEVICE.type and torch.equal(a, b)
     assert plain[1].sum() > 0

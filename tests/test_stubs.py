@@ -1,7 +1,8 @@
 """Type stubs (grpo_lab/<module>.pyi) for the modules whose classes are built cell by cell with @patch.
 
-The notebooks build `GRPOTrainer` (trainer.py) and the tool loop's classes (tools.py) cell by cell with fastcore's
-`@patch`, which go-to-definition, type checkers and code-map tools cannot follow. Each stub is made from its module
+`@patch` is kept for the trainer's public hooks, which 06_trainer teaches one at a time; every other class is written
+whole, in its class body, and needs no stub. Go-to-definition, type checkers and code-map tools cannot follow a patch,
+so the trainer (trainer.py) gets a stub. Each stub is made from its module
 itself (the syntax tree, nothing is imported): every function keeps its signature and docstring, bodies become
 `...`, and each patched method is moved into the class its `self` is annotated with. Regenerate them after editing
 those notebooks:
@@ -14,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "grpo_lab"
-PATCHED_MODULES = ["trainer", "tools"]          # the modules that use @patch (a test checks that the list is whole)
+PATCHED_MODULES = ["trainer"]          # the modules that use @patch (a test checks that the list is whole)
 MODULE, STUB = PACKAGE / "trainer.py", PACKAGE / "trainer.pyi"
 CLASS = "GRPOTrainer"
 KEEP_DECORATORS = {"property", "staticmethod", "classmethod", "contextlib.contextmanager", "contextmanager"}

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from grpo_lab.rollout import SamplingSettings
-from grpo_lab.tools import (ToolError, ToolLoopEngine, RolloutFuncEngine, multiply, multiplication_problems,
-                            product_reward, tool_use_stats)
+from grpo_lab.tasks import multiplication_problems, product_reward, tool_use_stats
+from grpo_lab.tools import ToolError, ToolLoopEngine, RolloutFuncEngine, multiply
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +496,8 @@ from accelerate import PartialState
 from datasets import Dataset
 from transformers import AutoTokenizer
 from grpo_lab import GRPOConfig, GRPOTrainer
-from grpo_lab.tools import multiply, product_reward
+from grpo_lab.tasks import product_reward
+from grpo_lab.tools import multiply
 from test_tools import ScriptedPolicy, call
 out, model = sys.argv[1], {model!r}
 tokenizer = AutoTokenizer.from_pretrained(model)

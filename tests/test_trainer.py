@@ -430,7 +430,7 @@ def _grouped_prompts(tok, G=4):
 def _sample(model, tok, ids, mask, config, share, seed=0):
     from grpo_lab.rollout import sample_completions
     torch.manual_seed(seed)
-    return sample_completions(model, tok, ids, mask, config, [], share_prefill=share)[0]
+    return sample_completions(model, ids, mask, config, [], share_prefill=share)[0]
 
 
 @pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True),
@@ -529,10 +529,10 @@ def test_shared_prefill_by_default_only_where_it_saves_enough(monkeypatch):
     config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=tok.pad_token_id, eos_token_id=[])
     calls = []
     monkeypatch.setattr(rollout_module, "prefill_once_per_prompt", lambda *a: calls.append(1))
-    rollout_module.sample_completions(model, tok, ids, mask, config, [])
+    rollout_module.sample_completions(model, ids, mask, config, [])
     assert calls == [] and saving < rollout_module.SHARED_PREFILL_MIN_FLOPS["cpu"]
     monkeypatch.setitem(rollout_module.SHARED_PREFILL_MIN_FLOPS, "cpu", saving)
-    rollout_module.sample_completions(model, tok, ids, mask, config, [])
+    rollout_module.sample_completions(model, ids, mask, config, [])
     assert calls == [1]
 
 
