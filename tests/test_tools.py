@@ -457,12 +457,15 @@ def test_trainer_with_rollout_func_passes_extra_keys_to_rewards(smollm2, tokeniz
 
 
 def test_trainer_signature_is_trls():
-    "TRL 1.16's GRPOTrainer arguments, in TRL's order (grpo-lab adds `engine` at the end)."
+    "TRL 1.16's GRPOTrainer arguments, in TRL's order; grpo-lab adds `engine` and, keyword-only, its LoRA/4-bit shortcuts."
     import inspect
     trl = pytest.importorskip("trl")
     from grpo_lab import GRPOTrainer
-    ours, theirs = list(inspect.signature(GRPOTrainer.__init__).parameters), list(inspect.signature(trl.GRPOTrainer.__init__).parameters)
-    assert ours == theirs + ["engine"]
+    params = inspect.signature(GRPOTrainer.__init__).parameters
+    positional = [n for n, p in params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert positional == list(inspect.signature(trl.GRPOTrainer.__init__).parameters) + ["engine"]
+    assert {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} == {
+        "lora_r", "lora_alpha", "lora_dropout", "target_modules", "load_in_4bit"}
 
 
 def test_quantization_config_given_twice_is_refused(smollm2, tmp_path):
