@@ -15,10 +15,10 @@ from transformers import TrainingArguments
 
 from .advantages import check_aggregation, scale_mode
 from .batching import check_num_generations, short_repr
-from .loss import check_importance_sampling_level, check_loss_type
+from .loss import IS_MODES, check_importance_sampling_level, check_loss_type
 
 # %% auto 0
-__all__ = ['REFUSED_OPTIONS', 'GRPOConfig', 'as_dict']
+__all__ = ['REFUSED_OPTIONS', 'GRPOConfig', 'check_vllm_config', 'is_clip_max', 'as_dict']
 
 # %% ../nbs/06a_config.ipynb
 @dataclass
@@ -233,7 +233,6 @@ def _check_ranges(cfg) -> None:
     scale_mode(cfg.scale_rewards)
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
-    from grpo_lab.vllm_engine import check_vllm_config       # the vLLM options (imports vLLM only to use it)
     check_vllm_config(cfg)
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
     _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
@@ -258,6 +257,76 @@ def _check_ranges(cfg) -> None:
     _check(not (cfg.bf16 and cfg.fp16), "bf16=True and fp16=True: choose one mixed-precision mode.")
     _check(not (cfg.sync_ref_model and cfg.beta == 0), "sync_ref_model=True needs a reference model, which beta=0 "
            "does not create: set beta > 0 or sync_ref_model=False.")
+
+# %% ../nbs/06a_config.ipynb
+def check_vllm_config(args) -> None:
+    "Raise a ValueError naming the field and the fix for any `vllm_*` setting this engine cannot honour."
+    if not getattr(args, "use_vllm", False):
+        return
+    def refuse(ok, message):
+        if not ok:
+            raise ValueError(message)
+    refuse(args.vllm_mode in ("colocate", "server"),
+           f"vllm_mode={args.vllm_mode!r}: choose 'colocate' (vLLM in the trainer's process) or 'server' (a "
+           "`grpo-lab vllm-serve` process the trainer calls).")
+    refuse(args.vllm_importance_sampling_mode in IS_MODES,
+           f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} is not one of {IS_MODES}.")
+    refuse(args.vllm_tensor_parallel_size == 1,
+           f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: grpo-lab runs one vLLM engine per process "
+           "(tensor parallelism needs several GPUs and torch.distributed groups); set it to 1, or serve the model "
+           "with `vllm serve --tensor-parallel-size N` yourself.")
+    refuse(not args.vllm_enable_sleep_mode,
+           "vllm_enable_sleep_mode=True (TRL frees vLLM's CUDA memory between rollouts) is not implemented in "
+           "grpo-lab, and needs a GPU; set vllm_enable_sleep_mode=False (on a GPU, lower vllm_gpu_memory_utilization "
+           "to leave the trainer room).")
+    refuse(args.vllm_group_port == 51216,
+           f"vllm_group_port={args.vllm_group_port}: that port is TRL's NCCL channel for weights; grpo-lab's server "
+           "takes weights over its HTTP port with a token, so leave vllm_group_port at 51216.")
+    refuse(0 < args.vllm_gpu_memory_utilization <= 1,
+           f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} must be in (0, 1].")
+    refuse(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be positive (seconds).")
+    refuse(args.vllm_dtype in (None, "float32", "bfloat16", "float16"),
+           f"vllm_dtype={args.vllm_dtype!r}: choose 'float32', 'bfloat16' or 'float16', or None (the policy's dtype).")
+    refuse(args.vllm_dtype is None or args.vllm_mode == "colocate",
+           f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a server runs in the dtype it was "
+           "started with: pass it to `grpo-lab vllm-serve --dtype` and leave vllm_dtype=None.")
+    _check_is_clip(args)
+    _check_model_length(args)
+
+# %% ../nbs/06a_config.ipynb
+def is_clip_max(args) -> float | None:
+    "The upper bound of the IS weights: TRL's deprecated `vllm_importance_sampling_cap` wins over clip_max, as in TRL."
+    cap = getattr(args, "vllm_importance_sampling_cap", None)
+    return cap if cap is not None else args.vllm_importance_sampling_clip_max
+
+
+def _check_is_clip(args) -> None:
+    "clip_min < clip_max; vespo takes the IS weights inside its own weights in TRL, which grpo-lab does not do."
+    low, high = args.vllm_importance_sampling_clip_min, is_clip_max(args)
+    if args.vllm_importance_sampling_correction and getattr(args, "loss_type", None) == "vespo":
+        raise ValueError("loss_type='vespo' with use_vllm=True and vllm_importance_sampling_correction=True: TRL folds "
+                         "the vLLM importance weights into VESPO's own sequence weights, which grpo-lab does not "
+                         "implement; set vllm_importance_sampling_correction=False or choose another loss_type.")
+    if args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("truncate") \
+            and low is None and high is None:
+        raise ValueError(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} needs a bound to "
+                         "truncate to: set vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.")
+    if low is not None and high is not None and low >= high:
+        raise ValueError(f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max="
+                         f"{high}; raise clip_max or lower clip_min.")
+
+
+def _check_model_length(args) -> None:
+    "The prompt and the completion must fit in vLLM's context."
+    limit = args.vllm_max_model_length
+    if limit is None:
+        return
+    need = args.max_completion_length + (args.max_prompt_length or 1)
+    if need > limit:
+        raise ValueError(f"max_completion_length={args.max_completion_length} plus "
+                         f"{'max_prompt_length=' + str(args.max_prompt_length) if args.max_prompt_length else 'a prompt'}"
+                         f" needs {need} tokens, beyond vllm_max_model_length={limit}: raise vllm_max_model_length "
+                         f"to at least {need}, or shorten max_completion_length.")
 
 # %% ../nbs/06a_config.ipynb
 import difflib

@@ -16,11 +16,11 @@ from torch.utils.checkpoint import checkpoint
 # %% auto 0
 __all__ = ['LM_HEAD_TILE_ELEMENTS', 'LM_HEAD_CHECKPOINT_MIN', 'LOSS_DIVISORS', 'LOSS_TABLE', 'LOSS_TYPES',
            'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS',
-           'CLIP_STATS', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps', 'completion_logps',
-           'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights', 'high_entropy_mask',
-           'off_policy_mask', 'ObjectiveInputs', 'ppo_objective', 'LossScale', 'LossType', 'check_loss_type',
-           'aggregate_loss', 'check_importance_sampling_level', 'masked_mean', 'importance_log_weights', 'grpo_loss',
-           'LossSettings', 'reduce_loss_stats']
+           'CLIP_STATS', 'IS_MODES', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps',
+           'completion_logps', 'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights',
+           'high_entropy_mask', 'off_policy_mask', 'ObjectiveInputs', 'ppo_objective', 'LossScale', 'LossType',
+           'check_loss_type', 'aggregate_loss', 'check_importance_sampling_level', 'masked_mean',
+           'importance_log_weights', 'grpo_loss', 'LossSettings', 'reduce_loss_stats', 'importance_sampling_weights']
 
 # %% ../nbs/03_loss.ipynb
 def _row_chunks(logits: torch.Tensor, chunk_size: int):
@@ -636,3 +636,43 @@ def reduce_loss_stats(stats_per_process: list[dict]) -> dict:
             counts = torch.tensor([s[weight] for s in stats_per_process], dtype=torch.float64)
             out[name] = ((values * counts).sum() / counts.sum().clamp(min=1)).item()
     return out
+
+# %% ../nbs/03_loss.ipynb
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_sampling_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                                mode: str = "sequence_mask", clip_min: float | None = None,
+                                clip_max: float | None = 3.0, cap: float | None = None) -> tuple[torch.Tensor, dict]:
+    "TRL 1.16's vLLM importance-sampling weights, `(B, T)` per token or `(B, 1)` per sequence, and its `sampling/*` metrics."
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {IS_MODES}; TRL's default is "
+                         "'sequence_mask'.")
+    clip_max = cap if cap is not None else clip_max
+    if mode.endswith("truncate") and clip_min is None and clip_max is None:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} needs a bound to truncate to: set "
+                         "vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.")
+    mask = mask.bool()
+    log_ratio = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)   # unscored tokens: ratio 1
+    per_sequence = mode.startswith("sequence")
+    ratio = torch.exp(log_ratio.sum(-1, keepdim=True) if per_sequence else log_ratio)
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio, _is_metrics(old_logps, sampling_logps, mask, ratio, per_sequence)
+
+# %% ../nbs/03_loss.ipynb
+def _is_metrics(old_logps, sampling_logps, mask, ratio, per_sequence: bool) -> dict:
+    "TRL's names: the log-prob gap on scored tokens (mean, max) and the weights (min, mean, max)."
+    gap = (old_logps - sampling_logps).abs()
+    gap = gap[mask & ~torch.isnan(gap)]
+    weights = ratio.flatten() if per_sequence else ratio[mask]
+    stat = lambda x, f: f(x).item() if x.numel() else 0.0
+    return {"sampling/sampling_logp_difference/mean": stat(gap, torch.mean),
+            "sampling/sampling_logp_difference/max": stat(gap, torch.max),
+            "sampling/importance_sampling_ratio/min": stat(weights, torch.min),
+            "sampling/importance_sampling_ratio/mean": stat(weights, torch.mean),
+            "sampling/importance_sampling_ratio/max": stat(weights, torch.max)}

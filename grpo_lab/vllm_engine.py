@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
+from .config import check_vllm_config, is_clip_max
+from .loss import IS_MODES, importance_sampling_weights
 from .rollout import (Completions, RolloutEngine, SamplingSettings, completion_mask, group_starts,
     pad_right, prepare_prompts)
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'VLLM_INSTALL', 'IS_MODES', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm',
-           'importance_sampling_weights', 'check_vllm_config', 'is_clip_max', 'merged_weights', 'sampling_params',
+__all__ = ['logger', 'VLLM_INSTALL', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm', 'merged_weights', 'sampling_params',
            'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_samples', 'make_llm',
            'VLLMEngine', 'VLLMColocateEngine', 'VLLMServer', 'serve', 'main', 'VLLMServerEngine',
            'vllm_engine_from_config']
@@ -57,116 +58,6 @@ def import_vllm():
         raise ImportError(f"use_vllm=True needs vLLM, and `import vllm` failed here ({type(e).__name__}: {e}). "
                           f"{VLLM_INSTALL}; or leave use_vllm=False to generate with transformers.") from e
     return vllm
-
-# %% ../nbs/06d_vllm.ipynb
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def importance_sampling_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
-                                mode: str = "sequence_mask", clip_min: float | None = None,
-                                clip_max: float | None = 3.0, cap: float | None = None) -> tuple[torch.Tensor, dict]:
-    "TRL 1.16's vLLM importance-sampling weights, `(B, T)` per token or `(B, 1)` per sequence, and its `sampling/*` metrics."
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {IS_MODES}; TRL's default is "
-                         "'sequence_mask'.")
-    clip_max = cap if cap is not None else clip_max
-    if mode.endswith("truncate") and clip_min is None and clip_max is None:
-        raise ValueError(f"vllm_importance_sampling_mode={mode!r} needs a bound to truncate to: set "
-                         "vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.")
-    mask = mask.bool()
-    log_ratio = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)   # unscored tokens: ratio 1
-    per_sequence = mode.startswith("sequence")
-    ratio = torch.exp(log_ratio.sum(-1, keepdim=True) if per_sequence else log_ratio)
-    if mode.endswith("truncate"):
-        ratio = ratio.clamp(min=clip_min, max=clip_max)
-    else:
-        low = -math.inf if clip_min is None else clip_min
-        high = math.inf if clip_max is None else clip_max
-        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    return ratio, _is_metrics(old_logps, sampling_logps, mask, ratio, per_sequence)
-
-# %% ../nbs/06d_vllm.ipynb
-def _is_metrics(old_logps, sampling_logps, mask, ratio, per_sequence: bool) -> dict:
-    "TRL's names: the log-prob gap on scored tokens (mean, max) and the weights (min, mean, max)."
-    gap = (old_logps - sampling_logps).abs()
-    gap = gap[mask & ~torch.isnan(gap)]
-    weights = ratio.flatten() if per_sequence else ratio[mask]
-    stat = lambda x, f: f(x).item() if x.numel() else 0.0
-    return {"sampling/sampling_logp_difference/mean": stat(gap, torch.mean),
-            "sampling/sampling_logp_difference/max": stat(gap, torch.max),
-            "sampling/importance_sampling_ratio/min": stat(weights, torch.min),
-            "sampling/importance_sampling_ratio/mean": stat(weights, torch.mean),
-            "sampling/importance_sampling_ratio/max": stat(weights, torch.max)}
-
-# %% ../nbs/06d_vllm.ipynb
-def check_vllm_config(args) -> None:
-    "Raise a ValueError naming the field and the fix for any `vllm_*` setting this engine cannot honour."
-    if not getattr(args, "use_vllm", False):
-        return
-    def refuse(ok, message):
-        if not ok:
-            raise ValueError(message)
-    refuse(args.vllm_mode in ("colocate", "server"),
-           f"vllm_mode={args.vllm_mode!r}: choose 'colocate' (vLLM in the trainer's process) or 'server' (a "
-           "`grpo-lab vllm-serve` process the trainer calls).")
-    refuse(args.vllm_importance_sampling_mode in IS_MODES,
-           f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} is not one of {IS_MODES}.")
-    refuse(args.vllm_tensor_parallel_size == 1,
-           f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: grpo-lab runs one vLLM engine per process "
-           "(tensor parallelism needs several GPUs and torch.distributed groups); set it to 1, or serve the model "
-           "with `vllm serve --tensor-parallel-size N` yourself.")
-    refuse(not args.vllm_enable_sleep_mode,
-           "vllm_enable_sleep_mode=True (TRL frees vLLM's CUDA memory between rollouts) is not implemented in "
-           "grpo-lab, and needs a GPU; set vllm_enable_sleep_mode=False (on a GPU, lower vllm_gpu_memory_utilization "
-           "to leave the trainer room).")
-    refuse(args.vllm_group_port == 51216,
-           f"vllm_group_port={args.vllm_group_port}: that port is TRL's NCCL channel for weights; grpo-lab's server "
-           "takes weights over its HTTP port with a token, so leave vllm_group_port at 51216.")
-    refuse(0 < args.vllm_gpu_memory_utilization <= 1,
-           f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} must be in (0, 1].")
-    refuse(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be positive (seconds).")
-    refuse(args.vllm_dtype in (None, "float32", "bfloat16", "float16"),
-           f"vllm_dtype={args.vllm_dtype!r}: choose 'float32', 'bfloat16' or 'float16', or None (the policy's dtype).")
-    refuse(args.vllm_dtype is None or args.vllm_mode == "colocate",
-           f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a server runs in the dtype it was "
-           "started with: pass it to `grpo-lab vllm-serve --dtype` and leave vllm_dtype=None.")
-    _check_is_clip(args)
-    _check_model_length(args)
-
-# %% ../nbs/06d_vllm.ipynb
-def is_clip_max(args) -> float | None:
-    "The upper bound of the IS weights: TRL's deprecated `vllm_importance_sampling_cap` wins over clip_max, as in TRL."
-    cap = getattr(args, "vllm_importance_sampling_cap", None)
-    return cap if cap is not None else args.vllm_importance_sampling_clip_max
-
-
-def _check_is_clip(args) -> None:
-    "clip_min < clip_max; vespo takes the IS weights inside its own weights in TRL, which grpo-lab does not do."
-    low, high = args.vllm_importance_sampling_clip_min, is_clip_max(args)
-    if args.vllm_importance_sampling_correction and getattr(args, "loss_type", None) == "vespo":
-        raise ValueError("loss_type='vespo' with use_vllm=True and vllm_importance_sampling_correction=True: TRL folds "
-                         "the vLLM importance weights into VESPO's own sequence weights, which grpo-lab does not "
-                         "implement; set vllm_importance_sampling_correction=False or choose another loss_type.")
-    if args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("truncate") \
-            and low is None and high is None:
-        raise ValueError(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} needs a bound to "
-                         "truncate to: set vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.")
-    if low is not None and high is not None and low >= high:
-        raise ValueError(f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max="
-                         f"{high}; raise clip_max or lower clip_min.")
-
-
-def _check_model_length(args) -> None:
-    "The prompt and the completion must fit in vLLM's context."
-    limit = args.vllm_max_model_length
-    if limit is None:
-        return
-    need = args.max_completion_length + (args.max_prompt_length or 1)
-    if need > limit:
-        raise ValueError(f"max_completion_length={args.max_completion_length} plus "
-                         f"{'max_prompt_length=' + str(args.max_prompt_length) if args.max_prompt_length else 'a prompt'}"
-                         f" needs {need} tokens, beyond vllm_max_model_length={limit}: raise vllm_max_model_length "
-                         f"to at least {need}, or shorten max_completion_length.")
 
 # %% ../nbs/06d_vllm.ipynb
 def _vllm_name(name: str) -> str:
