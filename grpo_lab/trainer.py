@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from . import checkpoint as ckpt
@@ -832,8 +833,11 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
     position, rollout, rng = self._resume_point
     control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
     info = {"num_processes": acc.num_processes, "batch": batch_options(self.args), "entropy_control": control}
-    main_files = lambda path: save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer,
-                                              self.lr_scheduler, state, info)
+
+    def main_files(path: Path):
+        save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer, self.lr_scheduler,
+                        state, info)
+        torch.save(self.args, path / TRAINING_ARGS_NAME)         # as the HF Trainer saves every checkpoint
     process_state = {"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
                      "rng": rng}
     final = ckpt.save_checkpoint(self.args.output_dir, state.global_step, acc, main_files, process_state,
@@ -863,12 +867,13 @@ def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
 # %% ../nbs/06_trainer.ipynb
 @patch
 def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
-    "Save the policy and its tokenizer (and a model card) to `output_dir` (default: args.output_dir)."
+    "Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."
     path = Path(output_dir or self.args.output_dir)
     self.accelerator.wait_for_everyone()
     if self.accelerator.is_main_process:
         self.accelerator.unwrap_model(self.model).save_pretrained(path)
         self.processing_class.save_pretrained(path)
+        torch.save(self.args, path / TRAINING_ARGS_NAME)
         _model_card(self, path)
     self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
     return path

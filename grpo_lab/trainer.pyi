@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput, speed_metrics
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
@@ -29,6 +30,7 @@ from .rewards import RewardModel
 from .rollout import Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = ...
@@ -47,10 +49,10 @@ def _resume_hint(last: Path | None) -> str:
     """Where the run can go on from, for error messages."""
     ...
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerSurface):
     """Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."""
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None):
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None, *, lora_r: int | None=None, lora_alpha: int | None=None, lora_dropout: float=0.0, target_modules='all-linear', load_in_4bit: bool=False):
         ...
 
     @property
@@ -101,11 +103,11 @@ class GRPOTrainer:
         """The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; the loss."""
         ...
 
-    def log(self, logs: dict, samples: list | None=None):
+    def log(self, logs: dict, start_time: float | None=None, samples: list | None=None):
         """Send `logs` to the state's history, metrics.jsonl and every callback."""
         ...
 
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str='eval') -> dict:
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None=None, metric_key_prefix: str='eval') -> dict:
         """Mean rewards, lengths and loss of completions of held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."""
         ...
 
@@ -126,15 +128,7 @@ class GRPOTrainer:
         ...
 
     def save_model(self, output_dir: str | Path | None=None) -> Path:
-        """Save the policy and its tokenizer (and a model card) to `output_dir` (default: args.output_dir)."""
-        ...
-
-    def create_model_card(self, output_dir: str | Path | None=None) -> Path:
-        """A README.md with the tags TRL uses (trl, grpo) and grpo-lab's, the base model and the training settings."""
-        ...
-
-    def push_to_hub(self, commit_message: str='End of training', **kwargs):
-        """Save the model to output_dir and upload the folder to `args.hub_model_id` (huggingface_hub)."""
+        """Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."""
         ...
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
