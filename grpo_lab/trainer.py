@@ -485,22 +485,24 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
     start, rollout = _begin_training(self, resume_from_checkpoint)
     if start is None:                       # resumed at the run's last step
         return _already_finished(self)
-    losses, stats, window, step_losses = [], [], [], []
+    losses, stats, window, step_losses, step_time = [], [], [], [], 0.0
     stream = self.micro_steps(start, rollout)
     with _checkpoint_on_interrupt(self):
         while True:
             if not losses:                   # before the step's generation, as HF and TRL call it
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            step = next(stream)
+            began = time.perf_counter()
+            step = next(stream)              # generates when the micro-step starts a generation batch
             inputs = TrainingInputs(step.rollout.rows, step)
             losses.append(self.training_step(self.model, inputs, step.rollout.num_items_in_batch).item())
             stats.append(inputs.stats)
+            step_time += time.perf_counter() - began
             if not step.sync:
                 self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
                 continue
-            window.append(_optimizer_step(self, losses, stats, step.rollout))
+            window.append({**_optimizer_step(self, losses, stats, step.rollout), "step_time": step_time})
             step_losses.append(window[-1]["loss"])
-            losses, stats = [], []
+            losses, stats, step_time = [], [], 0.0
             _end_step(self, step, window)
             if self.control.should_training_stop:
                 break

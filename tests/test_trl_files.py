@@ -79,3 +79,12 @@ def test_save_model_writes_trls_files(runs):
     assert ours - theirs == set(OURS_ONLY_IN_SAVED_MODEL) and theirs - ours == set()
     args = torch.load(runs["base"] / "lab-model" / "training_args.bin", weights_only=False)
     assert args.num_generations == 4 and args.output_dir == str(runs["base"] / "lab")
+
+
+def test_each_step_logs_trls_keys(runs):
+    "Each step's log entry has TRL's keys, step_time included; the summary entry too."
+    theirs, ours = runs["trl"].state.log_history, runs["lab"].state.log_history
+    assert len(theirs) == len(ours) == 3
+    for mine, trls in zip(ours, theirs):
+        assert set(mine) == set(trls), (set(mine) ^ set(trls))
+    assert all(h["step_time"] > 0 for h in ours[:2])
