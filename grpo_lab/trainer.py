@@ -647,12 +647,10 @@ def _already_finished(trainer: GRPOTrainer) -> TrainOutput:
 
 # %% ../nbs/06_trainer.ipynb
 def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
-    "Log the summary, load the best model if asked, save the final one (unless save_strategy='no'), tell the callbacks."
+    "Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."
     summary = _summary(trainer, window, step_losses)
     if trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint:
         load_weights(trainer.accelerator.unwrap_model(trainer.model), Path(trainer.state.best_model_checkpoint))
-    if trainer.args.save_strategy != "no":
-        trainer.save_model()
     trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
     return TrainOutput(trainer.state.global_step, summary["train_loss"], summary)
 
@@ -845,6 +843,7 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
     final = ckpt.save_checkpoint(self.args.output_dir, state.global_step, acc, main_files, process_state,
                                  self.args.save_total_limit, state.best_model_checkpoint)
     self._last_checkpoint = final
+    self.create_model_card()                     # README.md in output_dir, as TRL writes it with each checkpoint
     if getattr(self, "_best_pending", False):
         state.best_model_checkpoint, self._best_pending = str(final), False
     return final

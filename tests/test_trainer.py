@@ -62,6 +62,8 @@ def test_trl_quickstart_as_people_write_it(tmp_path):
                 "clip_ratio/region_mean"}
     assert trl_keys <= set(logged[-1]), trl_keys - set(logged[-1])
     assert logged[-1]["epoch"] == 3.0
+    assert not (tmp_path / "out" / "model.safetensors").exists()      # train() saves no final model, as in TRL
+    trainer.save_model()
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "model.safetensors").exists()
     card = (tmp_path / "out" / "README.md").read_text()
     assert "- trl" in card and "- grpo" in card
