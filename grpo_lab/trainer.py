@@ -680,32 +680,36 @@ def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples:
         out = Path(self.args.output_dir)
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
-        if self.args.log_completions and samples:
-            _log_completions(out, self.state.global_step, samples, self.args.num_completions_to_print)
+        if self.args.log_completions and self._logs["prompt"]:
+            _log_completions(out, self.state.global_step, self._logs, samples, self.args.num_completions_to_print)
     self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs, completions=samples or [])
 
 # %% ../nbs/06_trainer.ipynb
-def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
-    "Append the step's completions to completions.jsonl and print a few."
-    with open(Path(output_dir) / "completions.jsonl", "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step, **s}, default=str) + "\n")
-    shown = samples[:num_to_print] if num_to_print else samples
+def _log_completions(output_dir: Path, step: int, logs: dict, samples: list[dict] | None, num_to_print: int | None):
+    "The latest generation batch to completions/completions_<step>.parquet with TRL's columns; print a few `samples`."
+    import pandas as pd
+    rows = len(logs["prompt"])
+    table = {"step": [step] * rows, "prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
+             **{name: list(v) for name, v in logs["rewards"].items()}, **{k: list(v) for k, v in logs["extra"].items()},
+             "advantage": list(logs["advantages"])}
+    folder = Path(output_dir) / "completions"
+    folder.mkdir(exist_ok=True)
+    pd.DataFrame(table).to_parquet(folder / f"completions_{step:05d}.parquet")
+    shown = samples[:num_to_print] if num_to_print else samples or []
     for s in shown:
         print(f"[step {step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
 
 
 def _restart_logs(trainer: GRPOTrainer):
-    "metrics.jsonl and completions.jsonl hold this run only: rewritten from the resumed history, or started clean."
+    "metrics.jsonl and completions/ hold this run only: rewritten from the resumed history, or started clean."
     if not trainer.accelerator.is_main_process:
         return
     out, step = Path(trainer.args.output_dir), trainer.state.global_step
     logged = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in trainer.history]
     (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in logged))
-    completions = out / "completions.jsonl"
-    if completions.exists():
-        kept = [l for l in completions.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-        completions.write_text("".join(l + "\n" for l in kept) if step else "")
+    for logged_later in (out / "completions").glob("completions_*.parquet"):   # an abandoned run's later steps
+        if int(logged_later.stem.split("_")[-1]) > step:
+            logged_later.unlink()
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -297,12 +297,12 @@ def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float])
     """The HF Trainer's last log entry (speed, total_flos, train_loss), plus the metrics of steps not yet logged (TRL)."""
     ...
 
-def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
-    """Append the step's completions to completions.jsonl and print a few."""
+def _log_completions(output_dir: Path, step: int, logs: dict, samples: list[dict] | None, num_to_print: int | None):
+    """The latest generation batch to completions/completions_<step>.parquet with TRL's columns; print a few `samples`."""
     ...
 
 def _restart_logs(trainer: GRPOTrainer):
-    """metrics.jsonl and completions.jsonl hold this run only: rewritten from the resumed history, or started clean."""
+    """metrics.jsonl and completions/ hold this run only: rewritten from the resumed history, or started clean."""
     ...
 
 def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:

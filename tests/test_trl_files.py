@@ -88,3 +88,26 @@ def test_each_step_logs_trls_keys(runs):
     for mine, trls in zip(ours, theirs):
         assert set(mine) == set(trls), (set(mine) ^ set(trls))
     assert all(h["step_time"] > 0 for h in ours[:2])
+
+
+def test_train_leaves_trls_files_in_output_dir(runs):
+    "After train(): the checkpoint, the model card and the completions, and no final model (the caller saves it)."
+    theirs, ours = runs["trl_files"], runs["lab_files"]
+    ours_only = {n for n in ours - theirs if not n.startswith("checkpoint-2/")}
+    theirs_only = {n for n in theirs - ours if not n.startswith("checkpoint-2/")}
+    assert ours_only == set(OURS_ONLY_IN_OUTPUT_DIR) and theirs_only == set()
+    assert "model.safetensors" not in ours and "README.md" in ours
+
+
+def test_completions_are_trls_parquet_files(runs):
+    "log_completions=True: completions/completions_00001.parquet ... with TRL's columns, one row per completion."
+    pd = pytest.importorskip("pandas")
+    folder = runs["base"] / "lab" / "completions"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(p.name for p in (runs["base"] / "trl" / "completions").iterdir())
+    assert files == ["completions_00001.parquet", "completions_00002.parquet"]
+    for name in files:
+        ours, theirs = pd.read_parquet(folder / name), pd.read_parquet(runs["base"] / "trl" / "completions" / name)
+        assert list(ours.columns) == list(theirs.columns) == ["step", "prompt", "completion", "reward_len", "advantage"]
+        assert len(ours) == len(theirs) == 4 and set(ours["step"]) == {int(name[12:17])}
+        assert ours["reward_len"].tolist() == pytest.approx([len(c) / 10 for c in ours["completion"]])
