@@ -625,6 +625,7 @@ def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Posit
     state.save_steps = absolute(args.save_steps, state.max_steps)
     state.eval_steps = absolute(args.eval_steps or state.logging_steps, state.max_steps)
     state.train_batch_size = args.per_device_train_batch_size
+    state.total_flos = float(state.total_flos)      # the HF Trainer's type (it adds float FLOP counts to it)
     if path is not None and state.global_step >= state.max_steps:
         return None, None
     trainer._resume_point = (start, rollout, rng_state())

@@ -111,3 +111,13 @@ def test_completions_are_trls_parquet_files(runs):
         assert list(ours.columns) == list(theirs.columns) == ["step", "prompt", "completion", "reward_len", "advantage"]
         assert len(ours) == len(theirs) == 4 and set(ours["step"]) == {int(name[12:17])}
         assert ours["reward_len"].tolist() == pytest.approx([len(c) / 10 for c in ours["completion"]])
+
+
+def test_the_summary_has_trls_types(runs):
+    "The run's summary entry: each value of TRL's type (total_flos a float), and the checkpoint's state likewise."
+    import json
+    theirs, ours = runs["trl"].state.log_history[-1], runs["lab"].state.log_history[-1]
+    assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
+    assert isinstance(ours["total_flos"], float)
+    saved = [json.loads((runs["base"] / who / "checkpoint-2" / "trainer_state.json").read_text()) for who in ("lab", "trl")]
+    assert type(saved[0]["total_flos"]) is type(saved[1]["total_flos"]) is float
