@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -21,9 +20,9 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
-from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers import TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_utils import TrainOutput
 
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
@@ -31,16 +30,17 @@ from .batching import plan_for
 from .checkpoint import batch_options, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
 from .config import GRPOConfig
 from .data import load_prompts
+from .logs import (append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary,
+                           update_best_metric, write_completions)
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
-from .models import eos_token_ids, make_reference, reference_logps
-from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset,
-                    eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process,
-                    warn_length_weighted_sequences)
-from .rewards import RewardModel
-from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
+from .models import reference_logps
+from .parts import (build_bookkeeping, build_scoring, build_update, check_output_dir, check_sources,
+                            configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
+                            routes_only, routing_dataset, warn_length_weighted_sequences)
+from .rollout import (Completions, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
-from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
+from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -48,7 +48,7 @@ from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs', 'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs']
 
 # %% ../nbs/06_trainer.ipynb
 class TrainingInterrupted(KeyboardInterrupt):
@@ -79,11 +79,11 @@ class GRPOTrainer(TrainerSurface):
                  lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
                  load_in_4bit: bool = False):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
-        no_rewards = _check_sources(reward_funcs, environment_factory)
+        no_rewards = check_sources(reward_funcs, environment_factory)
         check_output_dir(args.output_dir)
         # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
         self.train_dataset = environment_placeholder_dataset(args, environment_factory) if train_dataset is None \
-            else routing_dataset(train_dataset) if _routes_only(train_dataset, environment_factory) \
+            else routing_dataset(train_dataset) if routes_only(train_dataset, environment_factory) \
             else load_prompts(train_dataset)
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         eval_sets(eval_dataset)
@@ -106,9 +106,9 @@ class GRPOTrainer(TrainerSurface):
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)
         self.rollout_func = rollout_func          # TRL's attribute (the engine calls it)
-        _build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
-        _build_update(self, model, optimizers)
-        _build_bookkeeping(self, callbacks)
+        build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
+        build_update(self, model, optimizers)
+        build_bookkeeping(self, callbacks)
 
     @property
     def tokenizer(self):
@@ -143,22 +143,6 @@ class GRPOTrainer(TrainerSurface):
         return [h for h in self.state.log_history if ("loss" in h or "reward" in h) and "train_runtime" not in h]
 
 # %% ../nbs/06_trainer.ipynb
-def _check_sources(reward_funcs, environment_factory) -> bool:
-    "True when no reward function is given; an error when nothing (not even an environment) can score."
-    no_rewards = reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs)
-    if no_rewards and environment_factory is None:
-        raise ValueError("No reward source provided. Pass `reward_funcs`: a function, a reward model (or its "
-                         "folder or hub id), or a list of them; or an `environment_factory` whose environment "
-                         "defines a `get_reward` method.")
-    return no_rewards
-
-
-def _routes_only(dataset, environment_factory) -> bool:
-    "True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."
-    columns = getattr(dataset, "column_names", None)
-    return environment_factory is not None and columns is not None and "prompt" not in columns
-
-
 def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     "TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."
     standalone = list(engine.tools) if isinstance(engine, ToolLoopEngine) else []
@@ -167,48 +151,6 @@ def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     trainer._env_tools = {name: standalone + methods for name, methods in pool.tools.items()} if pool else {}
     trainer._environment_pool = pool.pool if pool else {}
 
-
-def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_classes):
-    "The reward sources, TRL's `_logs`, the EOS tokens, the room a completion has and the sampling settings."
-    args, tokenizer = trainer.args, trainer.processing_class
-    rewards = load_rewards(reward_funcs, reward_processing_classes, args, trainer.accelerator.device, trainer.engine,
-                           trainer.train_dataset)
-    trainer.reward_funcs, trainer.reward_weights, trainer.reward_names = rewards.funcs, rewards.weights, rewards.names
-    trainer.reward_func_names = rewards.names         # TRL's name for them
-    trainer.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None
-                                         for f in rewards.funcs]
-    trainer._logs = completion_logs(trainer.plan.generation_batch_size)
-    trainer.eos_ids = eos_token_ids(model, tokenizer)
-    trainer.max_new_tokens = completion_room(args, model, tokenizer, trainer.train_dataset, trainer.streaming)
-    trainer.sampling = SamplingSettings.from_config(args, tokenizer, trainer.eos_ids, trainer.max_new_tokens)
-
-
-def _build_update(trainer: GRPOTrainer, model, optimizers):
-    "The reference model, the entropy control, the optimizer and schedule; the model prepared by Accelerate."
-    args, acc = trainer.args, trainer.accelerator
-    trainer.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
-    trainer.ref_model = make_reference(model, args.beta)
-    trainer.has_dropout = has_dropout(model)    # then the old log-probs cannot come from the loss's forward
-    trainer.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
-    trainer.entropy_window = EntropyWindow()
-    total_steps = trainer.plan.total_optimizer_steps
-    trainer.optimizer, trainer.lr_scheduler = make_optimizer(args, model, optimizers, total_steps)
-    trainer.model, trainer.optimizer = acc.prepare(model, trainer.optimizer)
-    seed_process(args.seed, acc.process_index)
-    if trainer.ref_model is not None:
-        trainer.ref_model = trainer.ref_model.to(acc.device)
-
-
-def _build_bookkeeping(trainer: GRPOTrainer, callbacks):
-    "`TrainerState`, `TrainerControl` and the callbacks (told that the trainer is built)."
-    acc, args = trainer.accelerator, trainer.args
-    trainer.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
-                                 is_world_process_zero=acc.is_main_process)
-    trainer.control = TrainerControl()
-    trainer._last_checkpoint = None      # the newest checkpoint saved or loaded
-    trainer.callback_handler = make_callbacks(args, callbacks, trainer.model, trainer.processing_class,
-                                              trainer.optimizer, trainer.lr_scheduler)
-    trainer.control = trainer.callback_handler.on_init_end(args, trainer.state, trainer.control)
 
 # %% ../nbs/06_trainer.ipynb
 def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
@@ -579,7 +521,7 @@ def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
     if step.ends_epoch:
         trainer.control = handler.on_epoch_end(args, state, trainer.control)
     if trainer.control.should_log:
-        trainer.log(_mean_metrics(window), samples=step.rollout.samples)
+        trainer.log(mean_metrics(window), samples=step.rollout.samples)
         window.clear()
     if trainer.control.should_evaluate and trainer.eval_dataset is not None:
         trainer.evaluate()
@@ -593,16 +535,6 @@ def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
         torch.cuda.empty_cache()
 
 # %% ../nbs/06_trainer.ipynb
-def _mean_metrics(window: list[dict]) -> dict:
-    "Average each metric over the steps since the last log, ignoring NaN (a function that scored nothing)."
-    keys = dict.fromkeys(k for m in window for k in m)
-    out = {}
-    for k in keys:
-        values = [m[k] for m in window if k in m and not math.isnan(m[k])]
-        out[k] = float(np.mean(values)) if values else None
-    return out
-
-
 def _sync_reference_model(trainer: GRPOTrainer):
     "TR-DPO's reference update, every ref_model_sync_steps: ref = alpha * policy + (1 - alpha) * ref."
     args = trainer.args
@@ -630,7 +562,8 @@ def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Posit
         return None, None
     trainer._resume_point = (start, rollout, rng_state())
     trainer._start_time, trainer._first_step = time.time(), state.global_step
-    _restart_logs(trainer)
+    if trainer.accelerator.is_main_process:
+        restart_logs(args.output_dir, state.global_step, trainer.history)
     trainer.model.train()
     trainer.control = trainer.callback_handler.on_train_begin(args, state, trainer.control)
     trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
@@ -656,18 +589,11 @@ def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[fl
     return TrainOutput(trainer.state.global_step, summary["train_loss"], summary)
 
 
-_STEP_ONLY = ("loss", "grad_norm", "learning_rate")     # the HF Trainer's own step logs; not carried into the summary
-
-
 def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
-    "The HF Trainer's last log entry (speed, total_flos, train_loss), plus the metrics of steps not yet logged (TRL)."
-    args, state = trainer.args, trainer.state
-    steps = state.global_step - trainer._first_step
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes
-    summary = speed_metrics("train", trainer._start_time, num_samples=steps * batch, num_steps=steps)
-    summary["total_flos"] = state.total_flos
-    summary["train_loss"] = float(np.sum(step_losses)) / max(steps, 0.001)   # HF Trainer: mean over this call's steps
-    summary.update({k: v for k, v in _mean_metrics(window).items() if k not in _STEP_ONLY})
+    "Log the run's summary (`06k_logs.run_summary`); return it with the epoch, as `TrainOutput.metrics`."
+    state = trainer.state
+    summary = run_summary(trainer.args, state, trainer.accelerator.num_processes, trainer._start_time,
+                          trainer._first_step, window, step_losses)
     trainer.log(summary)
     return {**summary, "epoch": state.log_history[-1]["epoch"]}
 
@@ -678,39 +604,11 @@ def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples:
     logs = {**logs, "epoch": round(self.state.epoch or 0.0, 4)}
     self.state.log_history.append({**logs, "step": self.state.global_step})
     if self.accelerator.is_main_process:
-        out = Path(self.args.output_dir)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
+        append_metrics(self.args.output_dir, self.state.global_step, logs)
         if self.args.log_completions and self._logs["prompt"]:
-            _log_completions(out, self.state.global_step, self._logs, samples, self.args.num_completions_to_print)
+            write_completions(self.args.output_dir, self.state.global_step, self._logs)
+            print_samples(self.state.global_step, samples or [], self.args.num_completions_to_print)
     self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs, completions=samples or [])
-
-# %% ../nbs/06_trainer.ipynb
-def _log_completions(output_dir: Path, step: int, logs: dict, samples: list[dict] | None, num_to_print: int | None):
-    "The latest generation batch to completions/completions_<step>.parquet with TRL's columns; print a few `samples`."
-    import pandas as pd
-    rows = len(logs["prompt"])
-    table = {"step": [step] * rows, "prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
-             **{name: list(v) for name, v in logs["rewards"].items()}, **{k: list(v) for k, v in logs["extra"].items()},
-             "advantage": list(logs["advantages"])}
-    folder = Path(output_dir) / "completions"
-    folder.mkdir(exist_ok=True)
-    pd.DataFrame(table).to_parquet(folder / f"completions_{step:05d}.parquet")
-    shown = samples[:num_to_print] if num_to_print else samples or []
-    for s in shown:
-        print(f"[step {step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
-
-
-def _restart_logs(trainer: GRPOTrainer):
-    "metrics.jsonl and completions/ hold this run only: rewritten from the resumed history, or started clean."
-    if not trainer.accelerator.is_main_process:
-        return
-    out, step = Path(trainer.args.output_dir), trainer.state.global_step
-    logged = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in trainer.history]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in logged))
-    for logged_later in (out / "completions").glob("completions_*.parquet"):   # an abandoned run's later steps
-        if int(logged_later.stem.split("_")[-1]) > step:
-            logged_later.unlink()
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -725,7 +623,8 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, ignore_keys: list[str] | None
                for k, v in _evaluate_set(self, dataset).items()}
     self.log(metrics)
     self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-    _update_best_metric(self, metrics)    # after the callbacks, as in the HF Trainer (EarlyStoppingCallback needs it)
+    if update_best_metric(self.args, self.state, metrics):   # after the callbacks, as in the HF Trainer
+        self._best_pending = True                            # the next checkpoint holds the best model
     return metrics
 
 # %% ../nbs/06_trainer.ipynb
@@ -740,7 +639,7 @@ def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
         scored, adv, stats = _score(trainer, rows, out, G)
         window.append({"loss": _eval_loss(trainer, _as_rollout(trainer, out, adv)),
                        **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **_length_metrics(acc, out)})
-    return _mean_metrics(window)
+    return mean_metrics(window)
 
 
 def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
@@ -764,20 +663,6 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     loss, _ = _micro_batch_loss(trainer, batch)
     trainer.entropy_window.totals = window          # evaluating does not move the adaptive entropy coefficient
     return loss.item()
-
-# %% ../nbs/06_trainer.ipynb
-def _update_best_metric(trainer: GRPOTrainer, metrics: dict):
-    "Track state.best_metric for metric_for_best_model (the HF Trainer's rule)."
-    name, state = trainer.args.metric_for_best_model, trainer.state
-    if not name:
-        return
-    key = name if name.startswith("eval_") else f"eval_{name}"
-    if key not in metrics:
-        return
-    better = np.greater if trainer.args.greater_is_better in (None, True) and "loss" not in key else np.less
-    if state.best_metric is None or better(metrics[key], state.best_metric):
-        state.best_metric, state.best_global_step = metrics[key], state.global_step
-        trainer._best_pending = True
 
 # %% ../nbs/06_trainer.ipynb
 class _StreamBatches(torch.utils.data.IterableDataset):
@@ -900,27 +785,3 @@ def plot(self: GRPOTrainer, keys: list[str] | None = None):
     "Small multiples of the logged metrics (evaluation rewards beside the training reward)."
     return plot_history(self.state.log_history, keys)
 
-
-def plot_history(history: list[dict], keys: list[str] | None = None, ncols: int = 3):
-    "Small multiples of the logged metrics against the optimizer step."
-    import matplotlib.pyplot as plt
-    default = ["reward", "loss", "kl", "completions/mean_length", "clip_ratio/region_mean", "entropy"]
-    keys = [k for k in (keys or default) if any(h.get(k) is not None for h in history)]
-    if not keys:
-        raise ValueError("nothing to plot: the history holds no logged metrics yet (train first, or lower "
-                         "logging_steps).")
-    nrows = math.ceil(len(keys) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.4 * nrows), squeeze=False)
-    for ax, k in zip(axes.flat, keys):
-        for name in (k, f"eval_{k}"):
-            pts = [(h["step"], h[name]) for h in history if h.get(name) is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label="eval" if name != k else "train")
-        if any(h.get(f"eval_{k}") is not None for h in history):
-            ax.legend(fontsize=7)
-        ax.set_title(k, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.tight_layout()
-    return fig
