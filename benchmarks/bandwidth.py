@@ -52,7 +52,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=70, help="cached tokens per sequence, on average over the decode")
     a = p.parse_args(argv)
     from transformers import AutoConfig
-    from grpo_lab.models import model_config, smollm2_path
+    from grpo_lab.memory import model_config
+    from grpo_lab.models import smollm2_path
     bw = bandwidth(a.threads, repeats=a.repeats)
     print(json.dumps({"threads": a.threads, **bw, "load_average": os.getloadavg()}), flush=True)
     shapes = {"smollm2": AutoConfig.from_pretrained(smollm2_path()), "qwen2.5-0.5b": model_config("Qwen2.5-0.5B-Instruct")}

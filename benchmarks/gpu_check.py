@@ -196,7 +196,7 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     import torch
     from grpo_lab.cli import load_run, resolve_reward
     from grpo_lab.data import format_gsm8k
-    from grpo_lab.models import estimate_memory, model_config
+    from grpo_lab.memory import estimate_memory, model_config
     from grpo_lab.trainer import GRPOTrainer
     cuda = torch.cuda.is_available() and not dry
     if cuda:           # what a T4 answers: grpo-lab then takes the T4's path (fp16 compute for the 4-bit layers)

@@ -99,7 +99,7 @@ def bench_tokenizer(vocab_size: int):
 # %% ../nbs/10_bench.ipynb
 def _shape_source(shape: str):
     "A shipped model folder (`tiny`, `smollm2`), or the shipped config of a random-weight shape."
-    from grpo_lab import models
+    from grpo_lab import memory, models
     if shape == "tiny":
         return models.tiny_model_path()
     if shape == "smollm2":
@@ -110,7 +110,7 @@ def _shape_source(shape: str):
             return models.smollm2_path()
         except (FileNotFoundError, RuntimeError) as e:   # no wheel in the cache and no package index to fetch it
             raise BenchSkipped(f"shape 'smollm2' could not be built: {e}") from e
-    return models.model_config(SHAPES[shape])
+    return memory.model_config(SHAPES[shape])
 
 
 def prepare_model(settings: BenchSettings, folder) -> Path:

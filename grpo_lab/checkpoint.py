@@ -224,9 +224,12 @@ def _logs_training(path: Path) -> bool:
 
 
 def run_record(output_dir) -> list[Path]:
-    "What a previous run left in `output_dir`: its `checkpoint-*` folders and the logs of its training steps."
+    "What a previous run left in `output_dir`: its `checkpoint-*` folders, the logs of its training steps, its completions."
     out = Path(output_dir)
-    return _checkpoints(out) + [out / name for name in RUN_LOGS if (out / name).is_file() and _logs_training(out / name)]
+    completions = out / "completions"       # TRL's completions/completions_<step>.parquet
+    logged = completions.is_dir() and any(int(f.stem.split("_")[-1]) >= 1 for f in completions.glob("completions_*.parquet"))
+    return (_checkpoints(out) + [out / name for name in RUN_LOGS if (out / name).is_file() and _logs_training(out / name)]
+            + ([completions] if logged else []))
 
 
 def _describe(record: list[Path]) -> str:

@@ -181,12 +181,6 @@ def interrupted_message(step: int, checkpoint, command: str) -> str:
 CONFIG_HELP = "a run YAML file (model, dataset, rewards + GRPOConfig options), or the name of one that ships with grpo-lab (grpo-lab config list)"
 
 
-def _final_policy(output_dir) -> Path | None:
-    "`output_dir` when the trainer saved a model there (weights or a LoRA adapter), else None."
-    out = Path(output_dir)
-    return out if any((out / name).exists() for name in ("config.json", "adapter_config.json")) else None
-
-
 def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
     "Train from a YAML run description; Ctrl-C saves a checkpoint and exits 130 with the resume command."
     model, dataset, rewards, args, shortcuts = load_run(a.config, overrides)
@@ -201,9 +195,9 @@ def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
             raise
         print(interrupted_message(e.step, e.checkpoint, resume_command(a.config, list(tokens))), file=sys.stderr)
         return 130
-    final = _final_policy(args.output_dir)
-    print(f"final policy: {final}" if final else f"no final policy saved (save_strategy={str(getattr(args.save_strategy, 'value', args.save_strategy))!r}); "
-          f"checkpoints are in {args.output_dir}")
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    print(f"final policy: {trainer.save_model()}" if strategy != "no" else f"no final policy saved "
+          f"(save_strategy={strategy!r}); checkpoints are in {args.output_dir}")
     return 0
 
 
@@ -381,6 +375,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm, overwrite),
                           train_dataset=train_set, callbacks=[callback], lora_r=recipe.lora_r, load_in_4bit=load_in_4bit)
     trainer.train()
+    trainer.save_model()                     # train() leaves the final model to its caller, as in TRL
     seconds = time.perf_counter() - t0
     before, after = callback.points[0][1], callback.points[-1][1]
     say(f"held-out greedy accuracy before GRPO: {before:.1%} ({recipe.eval_size} problems)")

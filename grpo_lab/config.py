@@ -172,7 +172,7 @@ REFUSED_OPTIONS = {
         "once per group (leave it False)",
     "use_transformers_paged": "paged generation is TRL's deprecated name for continuous batching, which grpo-lab does "
         "not use (see use_transformers_continuous_batching; leave it False)",
-    "log_completions_hub_repo": "completions are written to output_dir/completions.jsonl, never pushed to a hub",
+    "log_completions_hub_repo": "completions are written to output_dir/completions/*.parquet, never pushed to a hub",
     "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",
     "deepspeed": "grpo-lab takes DeepSpeed from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",
     "fsdp": "grpo-lab takes FSDP from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",

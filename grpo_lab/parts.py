@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import PartialState
-from transformers import get_scheduler
+from transformers import TrainerControl, TrainerState, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 
@@ -24,7 +24,11 @@ from .batching import plan_for
 from .config import as_dict
 from .data import STREAM_CHECK_ROWS, load_prompts, prompt_token_lengths
 from .loss import LOSS_TABLE
-from .models import load_policy
+from .models import eos_token_ids, load_policy, make_reference
+from .rewards import RewardModel
+from .rollout import SamplingSettings
+from .scoring import completion_logs, load_rewards
+from .steps import AdaptiveEntropy, EntropyWindow
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,8 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
            'warn_fp16_without_gpu', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process',
-           'completion_room', 'Callbacks', 'make_callbacks']
+           'completion_room', 'Callbacks', 'make_callbacks', 'check_sources', 'routes_only', 'build_scoring',
+           'build_update', 'build_bookkeeping']
 
 # %% ../nbs/06h_parts.ipynb
 def check_output_dir(output_dir) -> None:
@@ -224,3 +229,64 @@ def make_callbacks(args, callbacks, model, tokenizer, optimizer, scheduler) -> C
     progress = PrinterCallback if args.disable_tqdm else ProgressCallback
     return Callbacks([DefaultFlowCallback, *integrations, *(callbacks or []), progress], model, tokenizer, optimizer,
                      scheduler)
+
+# %% ../nbs/06h_parts.ipynb
+def check_sources(reward_funcs, environment_factory) -> bool:
+    "True when no reward function is given; an error when nothing (not even an environment) can score."
+    no_rewards = reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs)
+    if no_rewards and environment_factory is None:
+        raise ValueError("No reward source provided. Pass `reward_funcs`: a function, a reward model (or its "
+                         "folder or hub id), or a list of them; or an `environment_factory` whose environment "
+                         "defines a `get_reward` method.")
+    return no_rewards
+
+
+def routes_only(dataset, environment_factory) -> bool:
+    "True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."
+    columns = getattr(dataset, "column_names", None)
+    return environment_factory is not None and columns is not None and "prompt" not in columns
+
+
+# %% ../nbs/06h_parts.ipynb
+def build_scoring(trainer, model, reward_funcs, reward_processing_classes):
+    "The reward sources, TRL's `_logs`, the EOS tokens, the room a completion has and the sampling settings."
+    args, tokenizer = trainer.args, trainer.processing_class
+    rewards = load_rewards(reward_funcs, reward_processing_classes, args, trainer.accelerator.device, trainer.engine,
+                           trainer.train_dataset)
+    trainer.reward_funcs, trainer.reward_weights, trainer.reward_names = rewards.funcs, rewards.weights, rewards.names
+    trainer.reward_func_names = rewards.names         # TRL's name for them
+    trainer.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None
+                                         for f in rewards.funcs]
+    trainer._logs = completion_logs(trainer.plan.generation_batch_size)
+    trainer.eos_ids = eos_token_ids(model, tokenizer)
+    trainer.max_new_tokens = completion_room(args, model, tokenizer, trainer.train_dataset, trainer.streaming)
+    trainer.sampling = SamplingSettings.from_config(args, tokenizer, trainer.eos_ids, trainer.max_new_tokens)
+
+
+def build_update(trainer, model, optimizers):
+    "The reference model, the entropy control, the optimizer and schedule; the model prepared by Accelerate."
+    args, acc = trainer.args, trainer.accelerator
+    trainer.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
+    trainer.ref_model = make_reference(model, args.beta)
+    trainer.has_dropout = has_dropout(model)    # then the old log-probs cannot come from the loss's forward
+    trainer.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
+    trainer.entropy_window = EntropyWindow()
+    total_steps = trainer.plan.total_optimizer_steps
+    trainer.optimizer, trainer.lr_scheduler = make_optimizer(args, model, optimizers, total_steps)
+    trainer.model, trainer.optimizer = acc.prepare(model, trainer.optimizer)
+    seed_process(args.seed, acc.process_index)
+    if trainer.ref_model is not None:
+        trainer.ref_model = trainer.ref_model.to(acc.device)
+
+
+def build_bookkeeping(trainer, callbacks):
+    "`TrainerState`, `TrainerControl` and the callbacks (told that the trainer is built)."
+    acc, args = trainer.accelerator, trainer.args
+    trainer.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
+                                 is_world_process_zero=acc.is_main_process)
+    trainer.control = TrainerControl()
+    trainer._last_checkpoint = None      # the newest checkpoint saved or loaded
+    trainer.callback_handler = make_callbacks(args, callbacks, trainer.model, trainer.processing_class,
+                                              trainer.optimizer, trainer.lr_scheduler)
+    trainer.control = trainer.callback_handler.on_init_end(args, trainer.state, trainer.control)
+

@@ -210,7 +210,7 @@ def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     if "position_ids" in accepts:     # as generate numbers a left-padded row: from its first real token
         extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=base.config)
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **extra)   # `cache`: transformers' name
     cache.batch_select_indices(starts.long().cumsum(0) - 1)      # one copy of its group's cache per row
     return cache
 
@@ -249,7 +249,7 @@ def sample_completions(model, prompt_ids, prompt_mask, gen_config: GenerationCon
     cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask, group) \
         if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         **({} if cache is None else {"past_key_values": cache}))
+                         **({} if cache is None else {"cache": cache}))
     model.train(was_training)
     completion_ids = out[:, prompt_ids.size(1):]
     mask, truncated = completion_mask(completion_ids, eos_ids)

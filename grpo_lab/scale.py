@@ -46,7 +46,7 @@ def check_strategy(strategy: str) -> str:
 # %% ../nbs/08_scale.ipynb
 def per_device_memory(estimate, strategy: str, num_processes: int):
     "The `MemoryEstimate` of one process with the parts `strategy` shards divided over `num_processes`."
-    from grpo_lab.models import MemoryEstimate
+    from grpo_lab.memory import MemoryEstimate
     parts = {k: v for k, v in estimate.as_dict().items() if k != "total"}
     for part in SHARDED_PARTS[check_strategy(strategy)]:
         parts[part] /= num_processes
@@ -145,7 +145,8 @@ def same_effective_batch(args, from_processes: int, to_processes: int) -> dict:
 def decoder_layer_class(model: str) -> str | None:
     "The decoder layer class of `model` ('tiny', a folder or a hub id), or None when its config cannot be read."
     import transformers
-    from grpo_lab.models import model_config, tiny_model_path
+    from grpo_lab.memory import model_config
+    from grpo_lab.models import tiny_model_path
     try:
         config = model_config(str(tiny_model_path()) if model == "tiny" else model)
     except OSError:

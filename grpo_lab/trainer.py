@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -21,8 +20,9 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
-from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers import TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import TrainOutput
 
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
@@ -31,16 +31,17 @@ from .checkpoint import (batch_options, check_links, claim_output_dir, inside, l
                                  save_main_files, set_rng_state)
 from .config import GRPOConfig
 from .data import load_prompts
+from .logs import (append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary,
+                           update_best_metric, write_completions)
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
-from .models import eos_token_ids, make_reference, reference_logps
-from .parts import (check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset,
-                    eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process,
-                    warn_fp16_without_gpu, warn_length_weighted_sequences)
-from .rewards import RewardModel
-from .rollout import (Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length,
+from .models import reference_logps
+from .parts import (build_bookkeeping, build_scoring, build_update, check_output_dir, check_sources,
+                            configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
+                            routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
+from .rollout import (Completions, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
-from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
+from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -48,7 +49,7 @@ from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs', 'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs']
 
 # %% ../nbs/06_trainer.ipynb
 class TrainingInterrupted(KeyboardInterrupt):
@@ -79,11 +80,11 @@ class GRPOTrainer(TrainerSurface):
                  lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
                  load_in_4bit: bool = False):
         self.args = args = args if args is not None else GRPOConfig(output_dir="grpo-output")
-        no_rewards = _check_sources(reward_funcs, environment_factory)
+        no_rewards = check_sources(reward_funcs, environment_factory)
         check_output_dir(args.output_dir)
         # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
         self.train_dataset = environment_placeholder_dataset(args, environment_factory) if train_dataset is None \
-            else routing_dataset(train_dataset) if _routes_only(train_dataset, environment_factory) \
+            else routing_dataset(train_dataset) if routes_only(train_dataset, environment_factory) \
             else load_prompts(train_dataset)
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         eval_sets(eval_dataset)
@@ -108,9 +109,9 @@ class GRPOTrainer(TrainerSurface):
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)
         self.rollout_func = rollout_func          # TRL's attribute (the engine calls it)
-        _build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
-        _build_update(self, model, optimizers)
-        _build_bookkeeping(self, callbacks)
+        build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
+        build_update(self, model, optimizers)
+        build_bookkeeping(self, callbacks)
 
     @property
     def tokenizer(self):
@@ -145,22 +146,6 @@ class GRPOTrainer(TrainerSurface):
         return [h for h in self.state.log_history if ("loss" in h or "reward" in h) and "train_runtime" not in h]
 
 # %% ../nbs/06_trainer.ipynb
-def _check_sources(reward_funcs, environment_factory) -> bool:
-    "True when no reward function is given; an error when nothing (not even an environment) can score."
-    no_rewards = reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs)
-    if no_rewards and environment_factory is None:
-        raise ValueError("No reward source provided. Pass `reward_funcs`: a function, a reward model (or its "
-                         "folder or hub id), or a list of them; or an `environment_factory` whose environment "
-                         "defines a `get_reward` method.")
-    return no_rewards
-
-
-def _routes_only(dataset, environment_factory) -> bool:
-    "True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."
-    columns = getattr(dataset, "column_names", None)
-    return environment_factory is not None and columns is not None and "prompt" not in columns
-
-
 def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     "TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."
     standalone = list(engine.tools) if isinstance(engine, ToolLoopEngine) else []
@@ -169,48 +154,6 @@ def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     trainer._env_tools = {name: standalone + methods for name, methods in pool.tools.items()} if pool else {}
     trainer._environment_pool = pool.pool if pool else {}
 
-
-def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_classes):
-    "The reward sources, TRL's `_logs`, the EOS tokens, the room a completion has and the sampling settings."
-    args, tokenizer = trainer.args, trainer.processing_class
-    rewards = load_rewards(reward_funcs, reward_processing_classes, args, trainer.accelerator.device, trainer.engine,
-                           trainer.train_dataset)
-    trainer.reward_funcs, trainer.reward_weights, trainer.reward_names = rewards.funcs, rewards.weights, rewards.names
-    trainer.reward_func_names = rewards.names         # TRL's name for them
-    trainer.reward_processing_classes = [f.processing_class if isinstance(f, RewardModel) else None
-                                         for f in rewards.funcs]
-    trainer._logs = completion_logs(trainer.plan.generation_batch_size)
-    trainer.eos_ids = eos_token_ids(model, tokenizer)
-    trainer.max_new_tokens = completion_room(args, model, tokenizer, trainer.train_dataset, trainer.streaming)
-    trainer.sampling = SamplingSettings.from_config(args, tokenizer, trainer.eos_ids, trainer.max_new_tokens)
-
-
-def _build_update(trainer: GRPOTrainer, model, optimizers):
-    "The reference model, the entropy control, the optimizer and schedule; the model prepared by Accelerate."
-    args, acc = trainer.args, trainer.accelerator
-    trainer.aux_loss_enabled = False       # TRL's flag for the MoE router loss, which grpo-lab does not add
-    trainer.ref_model = make_reference(model, args.beta)
-    trainer.has_dropout = has_dropout(model)    # then the old log-probs cannot come from the loss's forward
-    trainer.entropy_control = AdaptiveEntropy.from_config(args) if args.use_adaptive_entropy else None
-    trainer.entropy_window = EntropyWindow()
-    total_steps = trainer.plan.total_optimizer_steps
-    trainer.optimizer, trainer.lr_scheduler = make_optimizer(args, model, optimizers, total_steps)
-    trainer.model, trainer.optimizer = acc.prepare(model, trainer.optimizer)
-    seed_process(args.seed, acc.process_index)
-    if trainer.ref_model is not None:
-        trainer.ref_model = trainer.ref_model.to(acc.device)
-
-
-def _build_bookkeeping(trainer: GRPOTrainer, callbacks):
-    "`TrainerState`, `TrainerControl` and the callbacks (told that the trainer is built)."
-    acc, args = trainer.accelerator, trainer.args
-    trainer.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
-                                 is_world_process_zero=acc.is_main_process)
-    trainer.control = TrainerControl()
-    trainer._last_checkpoint = None      # the newest checkpoint saved or loaded
-    trainer.callback_handler = make_callbacks(args, callbacks, trainer.model, trainer.processing_class,
-                                              trainer.optimizer, trainer.lr_scheduler)
-    trainer.control = trainer.callback_handler.on_init_end(args, trainer.state, trainer.control)
 
 # %% ../nbs/06_trainer.ipynb
 def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
@@ -488,22 +431,24 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
     start, rollout = _begin_training(self, resume_from_checkpoint)
     if start is None:                       # resumed at the run's last step
         return _already_finished(self)
-    losses, stats, window, step_losses = [], [], [], []
+    losses, stats, window, step_losses, step_time = [], [], [], [], 0.0
     stream = self.micro_steps(start, rollout)
     with _checkpoint_on_interrupt(self):
         while True:
             if not losses:                   # before the step's generation, as HF and TRL call it
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            step = next(stream)
+            began = time.perf_counter()
+            step = next(stream)              # generates when the micro-step starts a generation batch
             inputs = TrainingInputs(step.rollout.rows, step)
             losses.append(self.training_step(self.model, inputs, step.rollout.num_items_in_batch).item())
             stats.append(inputs.stats)
+            step_time += time.perf_counter() - began
             if not step.sync:
                 self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
                 continue
-            window.append(_optimizer_step(self, losses, stats, step.rollout))
+            window.append({**_optimizer_step(self, losses, stats, step.rollout), "step_time": step_time})
             step_losses.append(window[-1]["loss"])
-            losses, stats = [], []
+            losses, stats, step_time = [], [], 0.0
             _end_step(self, step, window)
             if self.control.should_training_stop:
                 break
@@ -580,7 +525,7 @@ def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
     if step.ends_epoch:
         trainer.control = handler.on_epoch_end(args, state, trainer.control)
     if trainer.control.should_log:
-        trainer.log(_mean_metrics(window), samples=step.rollout.samples)
+        trainer.log(mean_metrics(window), samples=step.rollout.samples)
         window.clear()
     if trainer.control.should_evaluate and trainer.eval_dataset is not None:
         trainer.evaluate()
@@ -594,16 +539,6 @@ def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
         torch.cuda.empty_cache()
 
 # %% ../nbs/06_trainer.ipynb
-def _mean_metrics(window: list[dict]) -> dict:
-    "Average each metric over the steps since the last log, ignoring NaN (a function that scored nothing)."
-    keys = dict.fromkeys(k for m in window for k in m)
-    out = {}
-    for k in keys:
-        values = [m[k] for m in window if k in m and not math.isnan(m[k])]
-        out[k] = float(np.mean(values)) if values else None
-    return out
-
-
 def _sync_reference_model(trainer: GRPOTrainer):
     "TR-DPO's reference update, every ref_model_sync_steps: ref = alpha * policy + (1 - alpha) * ref."
     args = trainer.args
@@ -628,11 +563,13 @@ def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Posit
     state.save_steps = absolute(args.save_steps, state.max_steps)
     state.eval_steps = absolute(args.eval_steps or state.logging_steps, state.max_steps)
     state.train_batch_size = args.per_device_train_batch_size
+    state.total_flos = float(state.total_flos)      # the HF Trainer's type (it adds float FLOP counts to it)
     if path is not None and state.global_step >= state.max_steps:
         return None, None
     trainer._resume_point = (start, rollout, rng_state())
     trainer._start_time, trainer._first_step = time.time(), state.global_step
-    _restart_logs(trainer)
+    if trainer.accelerator.is_main_process:
+        restart_logs(args.output_dir, state.global_step, trainer.history)
     trainer.model.train()
     trainer.control = trainer.callback_handler.on_train_begin(args, state, trainer.control)
     trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
@@ -650,28 +587,19 @@ def _already_finished(trainer: GRPOTrainer) -> TrainOutput:
 
 # %% ../nbs/06_trainer.ipynb
 def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
-    "Log the summary, load the best model if asked, save the final one (unless save_strategy='no'), tell the callbacks."
+    "Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."
     summary = _summary(trainer, window, step_losses)
     if trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint:
         load_weights(trainer.accelerator.unwrap_model(trainer.model), Path(trainer.state.best_model_checkpoint))
-    if trainer.args.save_strategy != "no":
-        trainer.save_model()
     trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
     return TrainOutput(trainer.state.global_step, summary["train_loss"], summary)
 
 
-_STEP_ONLY = ("loss", "grad_norm", "learning_rate")     # the HF Trainer's own step logs; not carried into the summary
-
-
 def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
-    "The HF Trainer's last log entry (speed, total_flos, train_loss), plus the metrics of steps not yet logged (TRL)."
-    args, state = trainer.args, trainer.state
-    steps = state.global_step - trainer._first_step
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes
-    summary = speed_metrics("train", trainer._start_time, num_samples=steps * batch, num_steps=steps)
-    summary["total_flos"] = state.total_flos
-    summary["train_loss"] = float(np.sum(step_losses)) / max(steps, 0.001)   # HF Trainer: mean over this call's steps
-    summary.update({k: v for k, v in _mean_metrics(window).items() if k not in _STEP_ONLY})
+    "Log the run's summary (`06k_logs.run_summary`); return it with the epoch, as `TrainOutput.metrics`."
+    state = trainer.state
+    summary = run_summary(trainer.args, state, trainer.accelerator.num_processes, trainer._start_time,
+                          trainer._first_step, window, step_losses)
     trainer.log(summary)
     return {**summary, "epoch": state.log_history[-1]["epoch"]}
 
@@ -682,35 +610,11 @@ def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples:
     logs = {**logs, "epoch": round(self.state.epoch or 0.0, 4)}
     self.state.log_history.append({**logs, "step": self.state.global_step})
     if self.accelerator.is_main_process:
-        out = Path(self.args.output_dir)
-        with open(inside(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
-        if self.args.log_completions and samples:
-            _log_completions(out, self.state.global_step, samples, self.args.num_completions_to_print)
+        append_metrics(self.args.output_dir, self.state.global_step, logs)
+        if self.args.log_completions and self._logs["prompt"]:
+            write_completions(self.args.output_dir, self.state.global_step, self._logs)
+            print_samples(self.state.global_step, samples or [], self.args.num_completions_to_print)
     self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs, completions=samples or [])
-
-# %% ../nbs/06_trainer.ipynb
-def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
-    "Append the step's completions to completions.jsonl and print a few."
-    with open(inside(output_dir, "completions.jsonl"), "a") as f:
-        for s in samples:
-            f.write(json.dumps({"step": step, **s}, default=str) + "\n")
-    shown = samples[:num_to_print] if num_to_print else samples
-    for s in shown:
-        print(f"[step {step}] reward {s['reward']:+.3f} | {s['prompt'][-60:]!r} -> {s['completion'][:80]!r}")
-
-
-def _restart_logs(trainer: GRPOTrainer):
-    "metrics.jsonl and completions.jsonl hold this run only: rewritten from the resumed history, or started clean."
-    if not trainer.accelerator.is_main_process:
-        return
-    out, step = Path(trainer.args.output_dir), trainer.state.global_step
-    logged = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in trainer.history]
-    inside(out, "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in logged))
-    completions = inside(out, "completions.jsonl")
-    if completions.exists():
-        kept = [l for l in completions.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-        completions.write_text("".join(l + "\n" for l in kept) if step else "")
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -725,7 +629,8 @@ def evaluate(self: GRPOTrainer, eval_dataset=None, ignore_keys: list[str] | None
                for k, v in _evaluate_set(self, dataset).items()}
     self.log(metrics)
     self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-    _update_best_metric(self, metrics)    # after the callbacks, as in the HF Trainer (EarlyStoppingCallback needs it)
+    if update_best_metric(self.args, self.state, metrics):   # after the callbacks, as in the HF Trainer
+        self._best_pending = True                            # the next checkpoint holds the best model
     return metrics
 
 # %% ../nbs/06_trainer.ipynb
@@ -740,7 +645,7 @@ def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
         scored, adv, stats = _score(trainer, rows, out, G)
         window.append({"loss": _eval_loss(trainer, _as_rollout(trainer, out, adv)),
                        **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **_length_metrics(acc, out)})
-    return _mean_metrics(window)
+    return mean_metrics(window)
 
 
 def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
@@ -764,20 +669,6 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     loss, _ = _micro_batch_loss(trainer, batch)
     trainer.entropy_window.totals = window          # evaluating does not move the adaptive entropy coefficient
     return loss.item()
-
-# %% ../nbs/06_trainer.ipynb
-def _update_best_metric(trainer: GRPOTrainer, metrics: dict):
-    "Track state.best_metric for metric_for_best_model (the HF Trainer's rule)."
-    name, state = trainer.args.metric_for_best_model, trainer.state
-    if not name:
-        return
-    key = name if name.startswith("eval_") else f"eval_{name}"
-    if key not in metrics:
-        return
-    better = np.greater if trainer.args.greater_is_better in (None, True) and "loss" not in key else np.less
-    if state.best_metric is None or better(metrics[key], state.best_metric):
-        state.best_metric, state.best_global_step = metrics[key], state.global_step
-        trainer._best_pending = True
 
 # %% ../nbs/06_trainer.ipynb
 class _StreamBatches(torch.utils.data.IterableDataset):
@@ -838,13 +729,17 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
     position, rollout, rng = self._resume_point
     control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
     info = {"num_processes": acc.num_processes, "batch": batch_options(self.args), "entropy_control": control}
-    main_files = lambda path: save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer,
-                                              self.lr_scheduler, state, info)
+
+    def main_files(path: Path):
+        save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer, self.lr_scheduler,
+                        state, info)
+        torch.save(self.args, path / TRAINING_ARGS_NAME)         # as the HF Trainer saves every checkpoint
     process_state = {"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
                      "rng": rng}
     final = ckpt.save_checkpoint(self.args.output_dir, state.global_step, acc, main_files, process_state,
                                  self.args.save_total_limit, state.best_model_checkpoint)
     self._last_checkpoint = final
+    self.create_model_card()                     # README.md in output_dir, as TRL writes it with each checkpoint
     if getattr(self, "_best_pending", False):
         state.best_model_checkpoint, self._best_pending = str(final), False
     return final
@@ -869,13 +764,14 @@ def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
 # %% ../nbs/06_trainer.ipynb
 @patch
 def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
-    "Save the policy and its tokenizer (and a model card) to `output_dir` (default: args.output_dir)."
+    "Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."
     path = Path(output_dir or self.args.output_dir)
     self.accelerator.wait_for_everyone()
     if self.accelerator.is_main_process:
         check_links(path)                     # nothing written through a link out of the folder
         self.accelerator.unwrap_model(self.model).save_pretrained(path)
         self.processing_class.save_pretrained(path)
+        torch.save(self.args, path / TRAINING_ARGS_NAME)
         _model_card(self, path)
     self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
     return path
@@ -896,27 +792,3 @@ def plot(self: GRPOTrainer, keys: list[str] | None = None):
     "Small multiples of the logged metrics (evaluation rewards beside the training reward)."
     return plot_history(self.state.log_history, keys)
 
-
-def plot_history(history: list[dict], keys: list[str] | None = None, ncols: int = 3):
-    "Small multiples of the logged metrics against the optimizer step."
-    import matplotlib.pyplot as plt
-    default = ["reward", "loss", "kl", "completions/mean_length", "clip_ratio/region_mean", "entropy"]
-    keys = [k for k in (keys or default) if any(h.get(k) is not None for h in history)]
-    if not keys:
-        raise ValueError("nothing to plot: the history holds no logged metrics yet (train first, or lower "
-                         "logging_steps).")
-    nrows = math.ceil(len(keys) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.4 * nrows), squeeze=False)
-    for ax, k in zip(axes.flat, keys):
-        for name in (k, f"eval_{k}"):
-            pts = [(h["step"], h[name]) for h in history if h.get(name) is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label="eval" if name != k else "train")
-        if any(h.get(f"eval_{k}") is not None for h in history):
-            ax.legend(fontsize=7)
-        ax.set_title(k, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.tight_layout()
-    return fig

@@ -2,7 +2,6 @@
 from __future__ import annotations
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -14,26 +13,27 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from datasets import IterableDataset
-from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers import TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import TrainOutput
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .batching import plan_for
 from .checkpoint import batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
 from .config import GRPOConfig
 from .data import load_prompts
+from .logs import append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary, update_best_metric, write_completions
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
-from .models import eos_token_ids, make_reference, reference_logps
-from .parts import check_output_dir, completion_room, configure_for_streaming, environment_placeholder_dataset, eval_sets, has_dropout, load_model, make_callbacks, make_optimizer, routing_dataset, seed_process, warn_fp16_without_gpu, warn_length_weighted_sequences
-from .rewards import RewardModel
-from .rollout import Completions, Rollout, RolloutEngine, SamplingSettings, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
-from .scoring import Scored, completion_logs, decode_and_score, keep_logs, load_rewards, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .models import reference_logps
+from .parts import build_bookkeeping, build_scoring, build_update, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
+from .rollout import Completions, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
+from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
+from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
 logger = ...
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs', 'plot_history']
+__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs']
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during `train()`: a checkpoint was saved at `step`; resume from `checkpoint`."""
@@ -127,7 +127,7 @@ class GRPOTrainer(TrainerSurface):
         ...
 
     def save_model(self, output_dir: str | Path | None=None) -> Path:
-        """Save the policy and its tokenizer (and a model card) to `output_dir` (default: args.output_dir)."""
+        """Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."""
         ...
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -139,28 +139,8 @@ class GRPOTrainer(TrainerSurface):
         ...
     get_off_policy_mask = staticmethod(off_policy_mask)
 
-def _check_sources(reward_funcs, environment_factory) -> bool:
-    """True when no reward function is given; an error when nothing (not even an environment) can score."""
-    ...
-
-def _routes_only(dataset, environment_factory) -> bool:
-    """True for a dataset with no `prompt` column given with environments: each environment's `reset()` writes the prompt."""
-    ...
-
 def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     """TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."""
-    ...
-
-def _build_scoring(trainer: GRPOTrainer, model, reward_funcs, reward_processing_classes):
-    """The reward sources, TRL's `_logs`, the EOS tokens, the room a completion has and the sampling settings."""
-    ...
-
-def _build_update(trainer: GRPOTrainer, model, optimizers):
-    """The reference model, the entropy control, the optimizer and schedule; the model prepared by Accelerate."""
-    ...
-
-def _build_bookkeeping(trainer: GRPOTrainer, callbacks):
-    """`TrainerState`, `TrainerControl` and the callbacks (told that the trainer is built)."""
     ...
 
 def make_engine(trainer, model, engine: RolloutEngine | None=None, *, tools=None, rollout_func=None, environment_factory=None) -> RolloutEngine:
@@ -271,10 +251,6 @@ def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
     """Count the step, record the resume point, then log, evaluate and save as the callbacks ask."""
     ...
 
-def _mean_metrics(window: list[dict]) -> dict:
-    """Average each metric over the steps since the last log, ignoring NaN (a function that scored nothing)."""
-    ...
-
 def _sync_reference_model(trainer: GRPOTrainer):
     """TR-DPO's reference update, every ref_model_sync_steps: ref = alpha * policy + (1 - alpha) * ref."""
     ...
@@ -288,20 +264,11 @@ def _already_finished(trainer: GRPOTrainer) -> TrainOutput:
     ...
 
 def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
-    """Log the summary, load the best model if asked, save the final one (unless save_strategy='no'), tell the callbacks."""
+    """Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."""
     ...
-_STEP_ONLY = ...
 
 def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
-    """The HF Trainer's last log entry (speed, total_flos, train_loss), plus the metrics of steps not yet logged (TRL)."""
-    ...
-
-def _log_completions(output_dir: Path, step: int, samples: list[dict], num_to_print: int | None):
-    """Append the step's completions to completions.jsonl and print a few."""
-    ...
-
-def _restart_logs(trainer: GRPOTrainer):
-    """metrics.jsonl and completions.jsonl hold this run only: rewritten from the resumed history, or started clean."""
+    """Log the run's summary (`06k_logs.run_summary`); return it with the epoch, as `TrainOutput.metrics`."""
     ...
 
 def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
@@ -316,10 +283,6 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     """The training loss of an evaluation batch as one micro-batch: on-policy (ratio 1), KL to the reference if beta > 0."""
     ...
 
-def _update_best_metric(trainer: GRPOTrainer, metrics: dict):
-    """Track state.best_metric for metric_for_best_model (the HF Trainer's rule)."""
-    ...
-
 class _StreamBatches(torch.utils.data.IterableDataset):
     """A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."""
 
@@ -331,8 +294,4 @@ class _StreamBatches(torch.utils.data.IterableDataset):
 
 def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, prompts: int, G: int) -> DataLoader:
     """A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."""
-    ...
-
-def plot_history(history: list[dict], keys: list[str] | None=None, ncols: int=3):
-    """Small multiples of the logged metrics against the optimizer step."""
     ...

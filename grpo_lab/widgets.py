@@ -20,14 +20,14 @@ from transformers import TrainerCallback
 
 from .advantages import SCALE_REWARDS, compute_advantages, group_statistics, sum_rewards
 from .batching import OPTIONAL_COUNTS, BatchConfigError, BatchPlan, describe_error, plan_batches, plot_generation_batch
-from .loss import LOSS_TYPES, grpo_loss
+from .loss import CLASSIC_LOSS_TYPES, LOSS_TABLE, LOSS_TYPES, grpo_loss, ppo_objective
 
 # %% auto 0
-__all__ = ['CLASSIC_LOSS_TYPES', 'DASHBOARD_METRICS', 'in_notebook', 'figure_png', 'picture', 'fmt', 'html_table', 'text_table',
-           'widget_view', 'Explorer', 'plan_or_error', 'plan_tables', 'generation_batch_png', 'change_label',
-           'plan_html', 'error_html', 'BatchExplorer', 'loss_weights', 'group_advantages', 'loss_notes',
-           'loss_weights_png', 'parse_numbers', 'NormalizationExplorer', 'parse_reward_table', 'advantage_table',
-           'advantage_rows', 'advantages_png', 'AdvantageExplorer', 'curves_png', 'samples_html', 'TrainingDashboard']
+__all__ = ['DASHBOARD_METRICS', 'in_notebook', 'figure_png', 'picture', 'fmt', 'html_table', 'text_table', 'widget_view',
+           'Explorer', 'plan_or_error', 'plan_tables', 'generation_batch_png', 'change_label', 'plan_html',
+           'error_html', 'BatchExplorer', 'loss_weights', 'group_advantages', 'loss_notes', 'loss_weights_png',
+           'parse_numbers', 'NormalizationExplorer', 'parse_reward_table', 'advantage_table', 'advantage_rows',
+           'advantages_png', 'AdvantageExplorer', 'curves_png', 'samples_html', 'TrainingDashboard']
 
 # %% ../nbs/07_widgets.ipynb
 def in_notebook() -> bool:
@@ -260,7 +260,6 @@ def _check_group(lengths: list, advantages: list, ratio: float, max_completion_l
                          f"({int(max(lengths))} tokens): it is the generation limit, so >= every length.")
 
 
-CLASSIC_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")   # the normalizations; LOSS_TYPES has TRL's whole family
 
 
 def loss_weights(lengths: list[int], advantages: list[float], beta: float = 0.0, epsilon_low: float = 0.2,
@@ -299,11 +298,13 @@ def loss_notes(lengths: list[int], advantages: list[float], result: dict, beta: 
             times = f"{w[short] / w[long]:.3g}x as much" if w[long] else "while the long one gets nothing"
             notes.append(f"{loss_type}: a token of the {lengths[short]}-token wrong answer is pushed {w[short]:+.3g}, "
                          f"of the {lengths[long]}-token one {w[long]:+.3g} ({times}).")
-    grpo = result.get("grpo")
-    if grpo and beta == 0 and ratio == 1 and abs(grpo["loss"]) < 1e-6 and grpo["grad_norm"] > 1e-6:
-        notes.append(f"grpo: the loss is {fmt(grpo['loss'])} but the gradient norm is {grpo['grad_norm']:.3g}. With "
-                     "one pass (ratio 1) and beta 0 the loss value is -mean(A) = 0 for a centred group; the gradient "
-                     "is the policy gradient all the same.")
+    for loss_type, r in result.items():      # the PPO objective averaged per sequence: its value is -mean(A) at ratio 1
+        row = LOSS_TABLE[loss_type]
+        if row.objective is ppo_objective and row.divisor == "sequence_mean" and beta == 0 and ratio == 1 \
+                and abs(r["loss"]) < 1e-6 and r["grad_norm"] > 1e-6:
+            notes.append(f"{loss_type}: the loss is {fmt(r['loss'])} but the gradient norm is {r['grad_norm']:.3g}. "
+                         "With one pass (ratio 1) and beta 0 the loss value is -mean(A) = 0 for a centred group; the "
+                         "gradient is the policy gradient all the same.")
     return notes
 
 # %% ../nbs/07_widgets.ipynb

@@ -42,6 +42,7 @@ args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_genera
 trainer = GRPOTrainer(tiny_model_path(), exact_answer, args=args, train_dataset=arithmetic_task(64), callbacks=[Say()],
                       lora_r=4)
 trainer.train(resume_from_checkpoint=any(out.glob("checkpoint-*")))
+trainer.save_model()
 print("done", flush=True)
 """
 

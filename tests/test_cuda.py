@@ -381,7 +381,7 @@ def test_memory_estimate_within_15_percent_of_the_measured_peak(name, tmp_path):
         pytest.importorskip("bitsandbytes", reason="4-bit rows need bitsandbytes")
     from grpo_lab import GRPOConfig, GRPOTrainer
     from grpo_lab.bench import BenchSettings, even_token_reward, load_tokenizer, prepare_model, synthetic_prompts
-    from grpo_lab.models import estimate_memory, model_config
+    from grpo_lab.memory import estimate_memory, model_config
     from datasets import Dataset
     folder = prepare_model(BenchSettings(shape="qwen2.5-0.5b"), tmp_path / "model")
     tokenizer = load_tokenizer(folder)

@@ -6,8 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_lab.loss import completion_logps
-from grpo_lab.models import (estimate_memory, greedy_accuracy, load_policy, make_reference, reference_logps,
-                             tiny_eval_problems, tiny_model_path, tiny_model_task)
+from grpo_lab.memory import estimate_memory
+from grpo_lab.models import (greedy_accuracy, load_policy, make_reference, reference_logps, tiny_eval_problems,
+                             tiny_model_path, tiny_model_task)
 
 
 @pytest.fixture(scope="module")

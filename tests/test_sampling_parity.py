@@ -62,7 +62,7 @@ class RecordScores:
 
     def __call__(self, *args, **kwargs):
         out = self.generate(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
-        self.calls.append({"scores": torch.stack(out.scores, 1), "prefilled": kwargs.get("past_key_values") is not None,
+        self.calls.append({"scores": torch.stack(out.scores, 1), "prefilled": kwargs.get("cache") is not None,
                            "prompt_ids": kwargs["input_ids"]})
         return out.sequences
 

@@ -62,6 +62,8 @@ def test_trl_quickstart_as_people_write_it(tmp_path):
                 "clip_ratio/region_mean"}
     assert trl_keys <= set(logged[-1]), trl_keys - set(logged[-1])
     assert logged[-1]["epoch"] == 3.0
+    assert not (tmp_path / "out" / "model.safetensors").exists()      # train() saves no final model, as in TRL
+    trainer.save_model()
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "model.safetensors").exists()
     card = (tmp_path / "out" / "README.md").read_text()
     assert "- trl" in card and "- grpo" in card
@@ -462,10 +464,28 @@ def test_shared_prefill_logits_match_plain_generate():
     with torch.no_grad():
         plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         shared = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                past_key_values=prefill_once_per_prompt(model, ids, mask))
+                                cache=prefill_once_per_prompt(model, ids, mask))
     assert torch.equal(plain.sequences, shared.sequences)
     for a, b in zip(plain.logits, shared.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefill_uses_the_cache_argument_with_no_deprecation_warning():
+    "transformers renamed `past_key_values` to `cache` (the old name warns, removed in 5.40): the prefill uses `cache`."
+    import warnings
+    import peft
+    from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids, mask = _grouped_prompts(tok)
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    lora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(TINY), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    config = GenerationConfig(do_sample=True, max_new_tokens=3, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated", category=FutureWarning)
+        with pytest.raises(FutureWarning):           # the filter catches the old spelling ...
+            model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
+        for policy in (model, lora):                # ... and the shared prefill does not use it
+            assert _sample(policy, tok, ids, mask, config, True).shape == (16, 3)
 
 
 def test_shared_prefill_reads_each_prompt_once():
