@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
-           'warn_fp16_without_gpu', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer', 'seed_process',
-           'completion_room', 'Callbacks', 'make_callbacks', 'check_sources', 'routes_only', 'build_scoring',
-           'build_update', 'build_bookkeeping']
+           'warn_fp16_without_gpu', 'check_half_precisions', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer',
+           'seed_process', 'completion_room', 'Callbacks', 'make_callbacks', 'check_sources', 'routes_only',
+           'build_scoring', 'build_update', 'build_bookkeeping']
 
 # %% ../nbs/06h_parts.ipynb
 def check_output_dir(output_dir) -> None:
@@ -131,6 +131,18 @@ def warn_fp16_without_gpu(args, device) -> None:
         logger.warning("fp16=True, but this run is on the CPU (%s): fp16 mixed precision needs a GPU, so it trains in "
                        "float32, as the HF Trainer and TRL do on a CPU. Set fp16=False to say so, or train on a GPU.",
                        "use_cpu=True" if args.use_cpu else "no GPU found")
+
+# %% ../nbs/06h_parts.ipynb
+def check_half_precisions(model, autocast_dtype) -> None:
+    "Refuse bf16 autocast over a 4-bit base whose other weights are float16: two half precisions meet in one op."
+    from grpo_lab.models import _is_quantized
+    if autocast_dtype is not torch.bfloat16 or not _is_quantized(model):
+        return
+    if any(p.dtype == torch.float16 for p in model.parameters()):
+        raise ValueError("bf16=True with a 4-bit base whose embeddings and norms are float16 (dtype='float16'): "
+                         "bf16 autocast then meets float16 tensors in one op, which torch refuses (TRL 1.16 fails "
+                         "here too). Load the model in bfloat16 (model_init_kwargs={'dtype': 'bfloat16'}), or use "
+                         "fp16=True with a float16 model.")
 
 # %% ../nbs/06h_parts.ipynb
 def cast_lm_head_to_fp32(model) -> None:

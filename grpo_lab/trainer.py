@@ -35,7 +35,8 @@ from .logs import (append_metrics, mean_metrics, plot_history, print_samples, re
                            update_best_metric, write_completions)
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
-from .parts import (build_bookkeeping, build_scoring, build_update, check_output_dir, check_sources,
+from .parts import (build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir,
+                            check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
 from .rollout import (Completions, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
@@ -105,6 +106,7 @@ class GRPOTrainer(TrainerSurface):
         model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
                                                   lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                   target_modules=target_modules, load_in_4bit=load_in_4bit)
+        check_half_precisions(model, self.autocast_dtype)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)

@@ -7,7 +7,9 @@ x {the `generate` engine, the tool loop}. Every cell is one script with only the
 `GRPOConfig` fields, the same `GRPOTrainer(model=path, ..., peft_config=...)` call.
 
 - `test_every_cell_trains` runs grpo-lab on every cell (the tool loop on the LoRA cells): one optimizer step, a finite
-  loss, gradient norm and entropy, and weights that moved.
+  loss, gradient norm and entropy, and weights that moved. One cell is refused in a sentence instead: a float16 model
+  on a 4-bit base under bf16 autocast, where torch's autocast meets two half precisions in one op (TRL 1.16 crashes
+  there with "Unexpected floating ScalarType").
 - `test_first_step_matches_trl` runs TRL 1.16 and grpo-lab side by side on the cells TRL trains on a CPU: TRL's
   completions are replayed into grpo-lab (sampling is the only random part of a step), and the logged loss, gradient
   norm and entropy of the first step must agree within the precision's tolerance (below).
@@ -124,6 +126,11 @@ def chatml_model(smollm2_folder, tmp_path_factory):
 def test_every_cell_trains(request, tmp_path, dtype, flag, kind, beta, engine):
     args = GRPOConfig(**config_kwargs(tmp_path, dtype, flag, kind, beta))
     model = request.getfixturevalue("chatml_model") if engine == "tools" else tiny_model_path()
+    if (dtype, flag, kind) == ("float16", "bf16", "4bit"):    # TRL 1.16 fails here too (torch's autocast refuses)
+        with pytest.raises(ValueError, match=r"bf16=True with a 4-bit base whose embeddings and norms are float16"):
+            GRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=dataset(),
+                        peft_config=peft_config(kind))
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=args,
