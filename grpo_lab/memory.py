@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from .loss import LM_HEAD_TILE_ELEMENTS
 from .models import _assets, _from_pretrained
 
 # %% auto 0
@@ -120,7 +121,7 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
     b, seq, tokens = dtype_bytes, max_prompt_length + max_completion_length, per_device_train_batch_size
     quantized = s.layers * s.linear_per_layer
     if load_in_4bit:
-        weights = quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + (s.embeddings + s.other) * 4
+        weights = quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + (s.embeddings + s.other) * b   # the rest as loaded
     else:
         weights = s.parameters * b
     trainable = s.lora_parameters(lora_r) * 16 if lora_r else s.parameters * (b + 8)
@@ -130,8 +131,11 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
     else:
         activations = tokens * seq * s.layers * per_token_layer
     logit_values = tokens * max_completion_length * s.vocab
-    logits = logit_values * b + (max_completion_length * s.vocab * 8 if chunked_logps else logit_values * 8)
-    kv_cache = max(tokens, num_generations) * seq * s.layers * 2 * s.kv_heads * s.head_dim * b
+    tile = min(LM_HEAD_TILE_ELEMENTS, logit_values)     # the head's tiles: logits, their softmax and gradients, fp32
+    logits = 5 * tile * 4 if chunked_logps else logit_values * (b + 8)
+    unique_prompts = max(1, tokens // num_generations)  # the shared prefill runs the head once per prompt
+    kv_cache = (max(tokens, num_generations) * seq * s.layers * 2 * s.kv_heads * s.head_dim * b
+                + unique_prompts * s.vocab * s.hidden * b)
     settings = dict(model=getattr(model_config_or_name, "name_or_path", str(model_config_or_name)).split("/")[-1],
                     load_in_4bit=load_in_4bit, lora_r=lora_r, completions=tokens,
                     tokens=f"{max_prompt_length}+{max_completion_length}", gradient_checkpointing=gradient_checkpointing)
