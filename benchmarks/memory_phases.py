@@ -23,9 +23,10 @@ phases (the optimizer step, logging). The first step allocates the optimizer sta
 
 `--variant` runs grpo-lab with one change, to attribute bytes to a cause (see VARIANTS); `--trainers` picks the
 runs. CPU figures differ from `torch.cuda.max_memory_allocated` in kernels' workspaces (attention, cuBLAS) and
-the caching allocator's rounding, not in which tensors are alive; one known difference: peft asks
-`torch.is_autocast_enabled()`, which answers for CUDA only, so on the CPU a LoRA layer casts its input to the adapter's
-dtype first (a transient). `proposed_estimate` is the memory formula these figures check (printed beside them).
+the caching allocator's rounding, not in which tensors are alive. peft's LoRA layers ask `torch.is_autocast_enabled()`
+without a device, which answers for CUDA only; the bf16 emulation makes it answer for the CPU, so that a LoRA layer
+skips its input cast under autocast as it does on a GPU. `proposed_estimate` is the memory formula these figures
+check (printed beside them).
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def _emulate_gpu_dtypes():
     import torch
     from grpo_lab import bench, models
     models.compute_dtype_for = lambda device: torch.bfloat16
+    cuda_only = torch.is_autocast_enabled      # peft asks it without a device; on a GPU that is the GPU's autocast
+    torch.is_autocast_enabled = lambda device_type=None: cuda_only(device_type or "cpu")
     common = bench._common_args
     bench._common_args = lambda s, output_dir, cuda: {**common(s, output_dir, cuda), "bf16": True}
 
@@ -332,13 +335,14 @@ def proposed_estimate(settings, upcast: bool, head_copies: str = "none", prefill
     weights = (x.layers * x.linear_per_layer * (0.5 + 1 / 64 + 4 / (64 * 256))
                + (x.embeddings + x.other) * (4 if upcast else b))
     lora = x.lora_parameters(settings.lora_r) * lora_bytes
-    # saved for backward, per token and layer: residual in/mid, attention input, q, k, v (repeated to all heads),
-    # attention output and o_proj input, MLP input (9 H); gate, SiLU(gate), up, their product's copy (4 I)
+    # saved for backward, per token and layer (measured: 290 MiB a layer at 3,072 tokens, grpo-lab [fix] and TRL
+    # alike): the MLP's gate, SiLU(gate), up and their product (4 I values), and about 9 h values' worth around
+    # attention (the two norms' fp32 copies of the residual, q/k/v after rotary, the attention output, ...)
     per_token_layer = (9 * x.hidden + 4 * x.intermediate) * b
     if upcast:   # fp32 residuals and MLP outputs, bf16 copies where autocast casts them for the LoRA and bnb matmuls
         per_token_layer = 28 * x.hidden + 14 * x.intermediate
     activations = tokens * x.layers * per_token_layer
-    tiles = 3 * LM_HEAD_TILE_ELEMENTS * 4                    # a tile's logits, their gradient and a recomputed one
+    tiles = 5 * LM_HEAD_TILE_ELEMENTS * 4                    # one tile's recomputed logits and their gradients
     transient = {"cast": head * b, "rows": rows * head * b, "none": 0}[head_copies]
     kv_cache = rows * (settings.prompt_length + settings.completion_length) * x.layers * 2 * x.kv_heads * x.head_dim * \
         (4 if upcast else b)
