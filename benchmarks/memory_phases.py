@@ -342,7 +342,8 @@ def proposed_estimate(settings, upcast: bool, head_copies: str = "none", prefill
     if upcast:   # fp32 residuals and MLP outputs, bf16 copies where autocast casts them for the LoRA and bnb matmuls
         per_token_layer = 28 * x.hidden + 14 * x.intermediate
     activations = tokens * x.layers * per_token_layer
-    tiles = 5 * LM_HEAD_TILE_ELEMENTS * 4                    # one tile's recomputed logits and their gradients
+    tile = min(LM_HEAD_TILE_ELEMENTS, rows * settings.completion_length * x.vocab)
+    tiles = 5 * tile * 4                                      # one tile's recomputed logits and their gradients
     transient = {"cast": head * b, "rows": rows * head * b, "none": 0}[head_copies]
     kv_cache = rows * (settings.prompt_length + settings.completion_length) * x.layers * 2 * x.kv_heads * x.head_dim * \
         (4 if upcast else b)
