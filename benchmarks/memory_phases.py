@@ -27,6 +27,10 @@ the caching allocator's rounding, not in which tensors are alive. peft's LoRA la
 without a device, which answers for CUDA only; the bf16 emulation makes it answer for the CPU, so that a LoRA layer
 skips its input cast under autocast as it does on a GPU. `proposed_estimate` is the memory formula these figures
 check (printed beside them).
+
+Since e80dafc both fixes the variants prototyped are grpo-lab's own code (`05_models`: no fp32 upcast of a 4-bit
+base; `03_loss`: the head's input taken by a pre-hook): `main` measures them, and the figures in BENCHMARKS.md give the
+state before (tree 42c9f08).
 """
 from __future__ import annotations
 
@@ -321,7 +325,7 @@ def proposed_estimate(settings, upcast: bool, head_copies: str = "none", prefill
     `prefill_rows`: rows whose prompt goes through the head at once in generation (grpo-lab's shared prefill: one per
     prompt; TRL: every row). `lora_bytes` per LoRA weight: 16 (fp32 weight, gradient, two Adam moments), TRL's bf16: 8.
     """
-    from grpo_lab.models import _Shapes, model_config
+    from grpo_lab.memory import _Shapes, model_config
     from grpo_lab import bench
     from grpo_lab.loss import LM_HEAD_TILE_ELEMENTS
     config = model_config(bench.SHAPES[settings.shape])
@@ -385,7 +389,7 @@ ESTIMATE_ARGS = {"main": dict(upcast=True, head_copies="cast"), "no-upcast": dic
 
 def estimate_table(settings, results: list[dict]) -> str:
     "The proposed formula next to the measured peaks, and what `estimate_memory` says today."
-    from grpo_lab.models import estimate_memory, model_config
+    from grpo_lab.memory import estimate_memory, model_config
     config = model_config(bench.SHAPES[settings.shape])
     if settings.layers:
         config.num_hidden_layers = settings.layers
