@@ -166,12 +166,6 @@ def _coerce_numbers(cfg) -> None:
 # %% ../nbs/06a_config.ipynb
 REFUSED_OPTIONS = {
     "use_liger_kernel": "Liger kernels are not supported; grpo-lab computes log-probs in tiles already (03_loss)",
-    "use_transformers_continuous_batching": "transformers' continuous batching was slower than padded generate in every "
-        "CPU measurement (1.2-2.9x at real shapes, 10x or more at the tiny model; 10_bench, BENCHMARKS.md) and samples "
-        "with its own seed, so seeded runs would not repeat; grpo-lab generates padded batches, each prompt prefilled "
-        "once per group (leave it False)",
-    "use_transformers_paged": "paged generation is TRL's deprecated name for continuous batching, which grpo-lab does "
-        "not use (see use_transformers_continuous_batching; leave it False)",
     "log_completions_hub_repo": "completions are written to output_dir/completions/*.parquet, never pushed to a hub",
     "router_aux_loss_coef": "the mixture-of-experts auxiliary loss is not supported",
     "deepspeed": "grpo-lab takes DeepSpeed from `accelerate launch --config_file` (see `grpo-lab export`, 08_scale)",

@@ -27,8 +27,8 @@ __all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'generation_chunks', 'expand_gr
            'stream_chunks', 'check_stream_length', 'render_prompts', 'pad_left', 'pad_right', 'length_mask',
            'truncated_rows', 'tokenize_prompts', 'SamplingSettings', 'generation_config', 'completion_mask',
            'prompt_groups', 'group_starts', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
-           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'SharedPrefillEngine', 'Rollout',
-           'length_metrics']
+           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'SharedPrefillEngine',
+           'ContinuousBatchingEngine', 'Rollout', 'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
 def generation_chunks(dataset_size: int, unique_prompts: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
@@ -312,6 +312,31 @@ class GenerateEngine(RolloutEngine):
 class SharedPrefillEngine(GenerateEngine):
     "Padded `generate` with each group's prompt prefilled once (where that saves enough work: grpo-lab's default)."
     share_prefill = None
+
+# %% ../nbs/06b_rollout.ipynb
+class ContinuousBatchingEngine(RolloutEngine):
+    "transformers' continuous batching (`generate_batch`, paged KV cache): TRL's `use_transformers_continuous_batching`."
+    def __init__(self, tokenizer, device=None, config: dict | None = None):
+        self.tokenizer, self.device = tokenizer, device
+        self.config = {"max_memory_percent": 0.5, **(config or {})}   # TRL's training default leaves room for backward
+
+    def generate(self, rows, group, policy, settings, step) -> Completions:
+        from transformers.generation import ContinuousBatchingConfig
+        texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings, self.device)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(p_ids, p_mask)]      # unpadded, one per row
+        was_training = policy.training
+        policy.eval()
+        with torch.no_grad():
+            out = policy.generate_batch(prompts, generation_config=generation_config(settings), progress_bar=False,
+                                        continuous_batching_config=ContinuousBatchingConfig(**self.config))
+        policy.train(was_training)
+        samples = [list(o.generated_tokens) for o in out.values()]
+        if len(samples) != len(prompts):
+            raise RuntimeError(f"continuous batching returned {len(samples)} of {len(prompts)} completions (a request "
+                               "failed; transformers logged why): set use_transformers_continuous_batching=False.")
+        c_ids = pad_right(samples, settings.pad_token_id).to(p_ids.device)
+        c_mask, truncated = completion_mask(c_ids, settings.eos_token_ids)
+        return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group)
 
 # %% ../nbs/06b_rollout.ipynb
 @dataclass

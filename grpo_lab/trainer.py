@@ -39,7 +39,7 @@ from .parts import (build_bookkeeping, build_scoring, build_update, check_half_p
                             check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
-from .rollout import (Completions, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
+from .rollout import (Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
@@ -182,6 +182,8 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
     if agentic:
         return ToolLoopEngine(tokenizer, tools=tools, environment_factory=environment_factory,
                               max_tool_calling_iterations=args.max_tool_calling_iterations)
+    if args.use_transformers_continuous_batching or args.use_transformers_paged:   # TRL's switch (and its old name)
+        return ContinuousBatchingEngine(tokenizer, trainer.accelerator.device, args.transformers_continuous_batching_config)
     return SharedPrefillEngine(tokenizer, trainer.accelerator.device)
 
 # %% ../nbs/06_trainer.ipynb

@@ -169,7 +169,8 @@ def test_push_to_hub_uploads_the_model_card_and_weights(tmp_path, monkeypatch):
         def create_repo(self, repo_id, private=None, exist_ok=False):
             (uploads / repo_id).mkdir(parents=True, exist_ok=exist_ok)
 
-        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns=()):
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns=(), revision=None,
+                          run_as_future=False):                     # huggingface_hub's own signature, in part
             shutil.copytree(folder_path, uploads / repo_id, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns(*ignore_patterns))
             return f"local://{repo_id}"
@@ -199,6 +200,7 @@ def test_resuming_a_finished_run_trains_nothing_logs_nothing_and_says_so(tmp_pat
     "A notebook re-run after the run finished: the HF Trainer and TRL train 0 steps; so does grpo-lab (it trained a 5th)."
     first = small_run(tmp_path, max_steps=4)
     first.train()
+    first.save_model()                   # train() saves no final model (as TRL); a script asks for it
     metrics = (tmp_path / "metrics.jsonl").read_text()
     weights_before = (tmp_path / "model.safetensors").read_bytes()
     again = small_run(tmp_path, max_steps=4)

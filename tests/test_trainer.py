@@ -677,10 +677,23 @@ def test_a_streamed_train_set_sets_dispatch_batches_false_and_no_workers(tmp_pat
                     args=small_args(tmp_path / "b", max_steps=1, accelerator_config={"dispatch_batches": True}))
 
 
-@pytest.mark.parametrize("name", ["use_transformers_continuous_batching", "use_transformers_paged"])
-def test_continuous_batching_is_refused_with_the_measured_reason(name, tmp_path):
-    with pytest.raises(ValueError, match=rf"{name}=True is not supported by grpo-lab: .*(padded generate|continuous batching)"):
-        GRPOConfig(output_dir=str(tmp_path), **{name: True})
+def test_continuous_batching_is_an_engine_behind_trls_switch(tmp_path):
+    "TRL's switch (and its deprecated name) picks transformers' continuous batching; a step trains on what it sampled."
+    from grpo_lab.rollout import ContinuousBatchingEngine
+    paged = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path / "paged", use_transformers_paged=True),
+                        train_dataset=arithmetic_task(16))
+    assert isinstance(paged.engine, ContinuousBatchingEngine)
+    trainer = GRPOTrainer(TINY, exact_answer, train_dataset=arithmetic_task(16),
+                          args=small_args(tmp_path, max_steps=1, use_transformers_continuous_batching=True))
+    assert isinstance(trainer.engine, ContinuousBatchingEngine)
+    rows = arithmetic_task(4).to_list()
+    group = torch.arange(4).repeat_interleave(2)
+    out = trainer.engine.generate([r for r in rows for _ in range(2)], group, trainer.model, trainer.sampling, 0)
+    assert out.completion_ids.shape[0] == 8 and out.completion_ids.shape[1] <= trainer.sampling.max_new_tokens
+    lengths = out.completion_mask.sum(1)
+    assert (lengths >= 1).all() and ((lengths == out.completion_ids.shape[1]) | ~out.truncated).all()
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"]) and trainer.state.global_step == 1
 
 
 def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path):
