@@ -209,14 +209,14 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     if dry:            # fp16 autocast needs CUDA; the rest of the run as shipped, at tiny lengths
         overrides.update(fp16="false", use_cpu="true", max_prompt_length="32", max_completion_length="8",
                          gradient_accumulation_steps="1")
-    model_name, dataset_spec, rewards, args = load_run(ROOT / "configs" / "colab-t4-qwen-gsm8k.yaml", overrides)
+    model_name, dataset_spec, rewards, args, shortcuts = load_run(ROOT / "configs" / "colab-t4-qwen-gsm8k.yaml", overrides)
     args.generation_kwargs = {"min_new_tokens": args.max_completion_length}        # every completion full length
     dataset = format_gsm8k(str(work / "gsm8k.jsonl"))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.time()
     trainer = GRPOTrainer(str(work / "model"), [resolve_reward(r) for r in rewards], args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, **shortcuts)
     trainer.train()
     seconds = time.time() - started
     if cuda:
@@ -224,7 +224,7 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     else:
         from grpo_lab.bench import peak_memory_mib
         peak, kind = peak_memory_mib()
-    estimate = estimate_memory(config or model_config("Qwen/Qwen2.5-0.5B-Instruct"), load_in_4bit=True, lora_r=args.lora_r,
+    estimate = estimate_memory(config or model_config("Qwen/Qwen2.5-0.5B-Instruct"), load_in_4bit=True, lora_r=shortcuts["lora_r"],
                                num_generations=args.num_generations,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length,

@@ -60,10 +60,14 @@ def row_config(tmp_path, mixed: str, mode: str, beta: float, **extra):
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=PER_DEVICE, num_generations=G,
                     max_completion_length=NEW_TOKENS, learning_rate=1e-3 if mode != "full" else 1e-4,
                     max_steps=STEPS, logging_steps=1, beta=beta, bf16=mixed == "bf16", fp16=mixed == "fp16",
-                    lora_r=None if mode == "full" else 4, load_in_4bit=mode == "qlora",
                     gradient_checkpointing=False, save_strategy="no", report_to="none", disable_tqdm=True,
                     use_cpu=DEVICE.type == "cpu", seed=0)
     return GRPOConfig(**{**settings, **extra})
+
+
+def row_shortcuts(mode: str) -> dict:
+    "The trainer's LoRA/4-bit keyword arguments of a row (grpo-lab's shortcuts; TRL's ModelConfig owns the field names)."
+    return dict(lora_r=None if mode == "full" else 4, load_in_4bit=mode == "qlora")
 
 
 def answer_and_length(prompts, completions, answer, **kwargs) -> list[float]:
@@ -118,7 +122,7 @@ def test_precision_row_trains(model_dtype, mixed, mode, beta, tmp_path, request)
     args = row_config(tmp_path, mixed, mode, beta, model_init_kwargs={"dtype": str(DTYPES[model_dtype]).split(".")[1]})
     may_refuse = (model_dtype, mixed, mode) == ("fp16", "fp16", "full")
     try:
-        trainer = GRPOTrainer(TINY, answer_and_length, args=args, train_dataset=arithmetic_task(64))
+        trainer = GRPOTrainer(TINY, answer_and_length, args=args, train_dataset=arithmetic_task(64), **row_shortcuts(mode))
     except ValueError as e:
         assert may_refuse and ("fp16" in str(e).lower() or "float16" in str(e).lower()), e
         return
@@ -253,7 +257,7 @@ def test_checkpoint_save_and_resume_on_cuda(tmp_path):
     def run(out, max_steps, resume=None):
         args = row_config(out, mixed, "lora", 0.0, save_strategy="steps", save_steps=1, lr_scheduler_type="constant")
         args.max_steps = max_steps
-        trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(64))
+        trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(64), **row_shortcuts("lora"))
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -305,7 +309,7 @@ def test_engines_in_a_training_step_on_cuda(tmp_path):
         args = row_config(tmp_path / engine_class.__name__, mixed, "lora", 0.0)
         args.max_steps = 2
         trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32), processing_class=tokenizer,
-                              engine=engine_class(tokenizer, DEVICE))
+                              engine=engine_class(tokenizer, DEVICE), **row_shortcuts("lora"))
         trainer.train()
         assert len(trainer.history) == 2 and all(math.isfinite(h["loss"]) for h in trainer.history)
 
@@ -388,7 +392,7 @@ def test_memory_estimate_within_15_percent_of_the_measured_peak(name, tmp_path):
     n_prompts = settings["per_device_train_batch_size"] // settings["num_generations"]
     prompts = synthetic_prompts(tokenizer, n_prompts, settings["max_prompt_length"])
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none", save_strategy="no",
-                      disable_tqdm=True, logging_steps=1, lora_r=settings["lora_r"], load_in_4bit=settings["load_in_4bit"],
+                      disable_tqdm=True, logging_steps=1,
                       gradient_checkpointing=settings["gradient_checkpointing"],
                       per_device_train_batch_size=settings["per_device_train_batch_size"],
                       num_generations=settings["num_generations"], max_prompt_length=settings["max_prompt_length"],
@@ -397,6 +401,7 @@ def test_memory_estimate_within_15_percent_of_the_measured_peak(name, tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(str(folder), even_token_reward, args=args, processing_class=tokenizer,
+                          lora_r=settings["lora_r"], load_in_4bit=settings["load_in_4bit"],
                           train_dataset=Dataset.from_dict({"prompt": prompts}))
     trainer.train()
     measured = torch.cuda.max_memory_allocated() / 2**30
