@@ -254,6 +254,7 @@ def test_qlora_trains_only_the_adapter_and_the_saved_model_loads_with_peft(tmp_p
     base = [k for k in after if "lora_" not in k]
     assert lora and any(not torch.equal(before[k], after[k]) for k in lora)
     assert all(torch.equal(before[k], after[k]) for k in base)
+    trainer.save_model()                      # train() saves no final model (as TRL): the script asks for it
     model = AutoPeftModelForCausalLM.from_pretrained(tmp_path)
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
 
@@ -277,6 +278,7 @@ def test_full_fine_tuning_with_kl_reports_kl_and_the_saved_model_loads(tmp_path)
                           train_dataset=arithmetic_task(32))
     trainer.train()
     assert trainer.history[-1]["kl"] > 0          # the policy moved away from the frozen reference
+    trainer.save_model()
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert tok.padding_side == "left" and model.config.vocab_size == len(tok)
