@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch
+from transformers import TrainerCallback
 
 from .config import GRPOConfig, as_dict
 from .loss import completion_logps
 from .rollout import Completions, GenerateEngine, RolloutEngine, SharedPrefillEngine, generation_rows
-from .steps import MicroStep, Position, advance, micro_batches
+from .steps import Position
 from .trainer import GRPOTrainer, _epoch_chunks, _generate_and_score
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
@@ -419,6 +421,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise ValueError("a streamed train_dataset is not supported by AsyncGRPOTrainer yet: give a Dataset.")
         self.engine = QueuedEngine(self.processing_class, self.accelerator.device)
         self.worker_threads, self.worker, self.timeline = worker_threads, None, []
+        self._pending, self._ready, self._carry = deque(), None, {}   # submitted batches; the next to score; metrics
+        self.add_callback(_PushWeights(self))
 
 # %% ../nbs/06l_async.ipynb
 def _event(trainer, lane: str, what: str, start: float, end: float, **info):
@@ -428,12 +432,12 @@ def _event(trainer, lane: str, what: str, start: float, end: float, **info):
 
 
 def _batches_from(trainer: AsyncGRPOTrainer, pos: Position):
-    "Every generation batch from `pos` on, across epochs: `(epoch, generation, n_generations, rows, group)`."
+    "Every generation batch from `pos` on, across epochs: `(epoch, generation, n_generations, prompts, rows, group)`."
     args, acc, epoch, start = trainer.args, trainer.accelerator, pos.epoch, pos.generation
     while True:
         for offset, (prompts, n_generations) in enumerate(_epoch_chunks(trainer, epoch, start)):
             rows, group = generation_rows(prompts, args.num_generations, acc.num_processes, acc.process_index)
-            yield epoch, start + offset, n_generations, rows, group
+            yield epoch, start + offset, n_generations, prompts, rows, group
         epoch, start = epoch + 1, 0
 
 # %% ../nbs/06l_async.ipynb
@@ -450,7 +454,7 @@ def _start_worker(trainer: AsyncGRPOTrainer) -> None:
     policy = trainer.accelerator.unwrap_model(trainer.model)
     trainer.worker = AsyncWorker(policy, trainer.processing_class, trainer.sampling, trainer.args, step,
                                  trainer.worker_threads)
-    trainer._pending = deque()
+    trainer._pending, trainer._carry, trainer._training_since = deque(), {}, trainer._t0
 
 
 def _queued_at_save(checkpoint) -> int | None:
@@ -462,49 +466,62 @@ def _queued_at_save(checkpoint) -> int | None:
 def _fill(trainer: AsyncGRPOTrainer, feed, at_least: int = 0) -> None:
     "Hand the worker generation batches until `batches_in_flight` (and at least `at_least`) wait to be trained on."
     while len(trainer._pending) < max(at_least, trainer.worker.flight.batches_in_flight):
-        epoch, generation, n_generations, rows, group = next(feed)
+        epoch, generation, n_generations, prompts, rows, group = next(feed)
         trainer.worker.submit(rows, group)
-        trainer._pending.append((epoch, generation, n_generations, rows))
+        trainer._pending.append((epoch, generation, n_generations, prompts, rows))
 
 
-def _after_step(trainer: AsyncGRPOTrainer, metrics: dict) -> None:
-    "After an optimizer step: push the weights when `weight_sync_steps` says so."
+def _push_if_due(trainer: AsyncGRPOTrainer) -> None:
+    "After an optimizer step: push the weights when `weight_sync_steps` says so (once per step, whoever asks first)."
     step = trainer.state.global_step
-    if step > trainer.worker.pushed and step % trainer.args.weight_sync_steps == 0:
+    if trainer.worker is not None and step > trainer.worker.pushed and step % trainer.args.weight_sync_steps == 0:
         start = time.time()
-        metrics["perf/weight_sync_s"] = trainer.worker.push(trainer.accelerator.unwrap_model(trainer.model), step)
+        trainer._carry["perf/weight_sync_s"] = trainer.worker.push(trainer.accelerator.unwrap_model(trainer.model),
+                                                                   step)
         _event(trainer, "trainer", "push", start, time.time(), version=step)
 
+
+class _PushWeights(TrainerCallback):
+    """Pushes the weights at the start of each optimizer step when they are due: after the last step's checkpoint
+    (a push that fails leaves it whole), and also for steps in the middle of a generation batch."""
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        _push_if_due(self.trainer)
+
 # %% ../nbs/06l_async.ipynb
-def _next_rollout(trainer: AsyncGRPOTrainer, feed, carry: dict):
-    "The next admissible batch, scored and corrected, with its position; stale batches are dropped and counted."
+@dataclass
+class _Ready:
+    "The worker's next batch that is fresh enough to learn from, where it sits in the data, and how it was waited for."
+    result: object
+    pos: Position
+    n_generations: int
+    prompts: list
+    rows: list
+    staleness: int
+    waited: float
+    taken: float
+
+
+def _next_fresh(trainer: AsyncGRPOTrainer, feed) -> _Ready:
+    "Wait for the worker's next batch; drop (and count) the stale ones; the first fresh one."
     args = trainer.args
     while True:
         _fill(trainer, feed, at_least=1)
         waited_from = time.time()
         result, waited = trainer.worker.next_result()
-        epoch, generation, n_generations, rows = trainer._pending.popleft()
+        epoch, generation, n_generations, prompts, rows = trainer._pending.popleft()
         now = time.time()
         _fill(trainer, feed)          # the worker samples the next batches while this one is trained on
         _event(trainer, "worker", "generate", result.started, result.finished, version=result.version,
                batch=result.index)
         _event(trainer, "trainer", "wait", waited_from, now)
         staleness = trainer.worker.pushed - result.version
-        if staleness > args.max_staleness:
-            carry["sample/dropped_stale_total"] = carry.get("sample/dropped_stale_total", 0) + len(rows)
-            _event(trainer, "trainer", "drop", now, now, batch=result.index, staleness=staleness)
-            continue
-        trainer.engine.hand(result.completions)
-        rollout = _generate_and_score(trainer, rows, result.completions.group)
-        rollout.metrics.update(correct_off_policy(trainer, rollout))
-        rollout.metrics.update({"sample/staleness_mean": float(staleness), "sample/staleness_max": float(staleness),
-                                "sample/rollout_queue_size": float(_queue_size(trainer.worker) * len(rows)),
-                                "sample/time_in_queue_s": now - result.finished, "perf/rollout_wait_s": waited,
-                                "sample/dropped_stale_total": 0.0, **carry})
-        carry.clear()
-        trainer._training_since = time.time()
-        _event(trainer, "trainer", "score", now, trainer._training_since)
-        return rollout, Position(epoch, generation), n_generations, result
+        if staleness <= args.max_staleness:
+            return _Ready(result, Position(epoch, generation), n_generations, prompts, rows, staleness, waited, now)
+        trainer._carry["sample/dropped_stale_total"] = trainer._carry.get("sample/dropped_stale_total", 0) + len(rows)
+        _event(trainer, "trainer", "drop", now, now, batch=result.index, staleness=staleness)
 
 
 def _queue_size(worker: AsyncWorker) -> int:
@@ -515,43 +532,53 @@ def _queue_size(worker: AsyncWorker) -> int:
         return 0
 
 # %% ../nbs/06l_async.ipynb
-def _micro_steps(self: AsyncGRPOTrainer, pos: Position, rollout=None):
-    "The synchronous `micro_steps` (06_trainer) fed by the worker: the same positions, micro-batches and syncs."
-    args, ga, mu = self.args, self.args.gradient_accumulation_steps, self.args.num_iterations
+@patch
+def generation_batches(self: AsyncGRPOTrainer, pos: Position):
+    """GRPOTrainer's hook fed by the worker: its finished batches in the run's order from `pos`, the stale ones
+    dropped. The weights due after the last step are pushed before the worker is handed more work."""
     _start_worker(self)
-    skip = 1 if rollout is not None else 0      # a resumed, half-trained rollout: its batch is not generated again
-    feed = _batches_from(self, dataclasses.replace(pos, generation=pos.generation + skip, iteration=0, micro=0))
-    carry, n_generations = {}, None
+    trained = bool(pos.iteration or pos.micro)
+    if trained:                         # a resumed, half-learned rollout (the checkpoint's): not generated again
+        yield pos, _generations_per_epoch(self), None
+        pos = Position(pos.epoch, pos.generation + 1)
+    feed = _batches_from(self, pos)
     while True:
-        if rollout is None:
-            rollout, pos, n_generations, _ = _next_rollout(self, feed, carry)
-        n_generations = n_generations or _generations_per_epoch(self)
-        batches = micro_batches(len(rollout), args.per_device_train_batch_size, args.seed, pos)
-        per_epoch = n_generations * mu * len(batches)
-        current = (pos.epoch, pos.generation)
-        while (pos.epoch, pos.generation) == current:
-            in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
-            after = advance(pos, len(batches), mu, n_generations)
-            ends_epoch = after.epoch != pos.epoch
-            sync = (in_epoch + 1) % ga == 0 or ends_epoch
-            yield MicroStep(rollout.select(batches[pos.micro]), rollout, sync=sync, ends_epoch=ends_epoch, after=after,
-                            epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch,
-                            indices=batches[pos.micro])
-            if sync:
-                _after_step(self, carry)
-            pos = after
-        _event(self, "trainer", "train", getattr(self, "_training_since", self._t0), time.time())
-        rollout = None
+        if trained:                     # the loop asks for a batch once it has learned from the last one
+            _event(self, "trainer", "train", self._training_since, time.time())
+        trained = True
+        _push_if_due(self)
+        self._ready = _next_fresh(self, feed)
+        yield self._ready.pos, self._ready.n_generations, self._ready.prompts
+
+
+@patch
+def generate_and_score(self: AsyncGRPOTrainer, prompts: list[dict]):
+    "GRPOTrainer's hook for the worker's batch of `prompts`: already sampled; scored here, corrected for staleness."
+    ready = self._ready
+    if ready is None or ready.prompts is not prompts:
+        raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
+                           "last; call them in that order (as train() does).")
+    self.engine.hand(ready.result.completions)
+    rollout = _generate_and_score(self, ready.rows, ready.result.completions.group)
+    rollout.metrics.update(correct_off_policy(self, rollout))
+    rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
+                            "sample/staleness_max": float(ready.staleness),
+                            "sample/rollout_queue_size": float(_queue_size(self.worker) * len(ready.rows)),
+                            "sample/time_in_queue_s": ready.taken - ready.result.finished,
+                            "perf/rollout_wait_s": ready.waited, "sample/dropped_stale_total": 0.0, **self._carry})
+    self._carry.clear()
+    self._ready, self._training_since = None, time.time()
+    _event(self, "trainer", "score", ready.taken, self._training_since)
+    return rollout
 
 
 def _generations_per_epoch(trainer) -> int:
     "The generation batches of one epoch (what a resumed, half-trained rollout needs to place itself)."
     return next(iter(_epoch_chunks(trainer, 0, 0)))[1]
 
-AsyncGRPOTrainer.micro_steps = _micro_steps
-
 # %% ../nbs/06l_async.ipynb
-def _train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
+@patch
+def train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
     "GRPOTrainer.train with the worker started on the first batch and stopped at the end, on success or failure."
     try:
         return GRPOTrainer.train(self, resume_from_checkpoint, **kwargs)
@@ -565,7 +592,8 @@ def _train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
                             "discarded.", pending, queued)
 
 
-def _save_checkpoint(self: AsyncGRPOTrainer) -> Path:
+@patch
+def save_checkpoint(self: AsyncGRPOTrainer) -> Path:
     "GRPOTrainer.save_checkpoint, then the number of samples queued or in flight (`async_queue.json`, atomically)."
     final = GRPOTrainer.save_checkpoint(self)
     if self.accelerator.is_main_process and self.worker is not None:
@@ -574,8 +602,6 @@ def _save_checkpoint(self: AsyncGRPOTrainer) -> Path:
         tmp.write_text(json.dumps({"queued_samples": queued, "max_staleness": self.args.max_staleness}))
         os.replace(tmp, final / "async_queue.json")
     return final
-
-AsyncGRPOTrainer.train, AsyncGRPOTrainer.save_checkpoint = _train, _save_checkpoint
 
 # %% ../nbs/06l_async.ipynb
 LANE_COLOURS = {"generate": "tab:blue", "wait": "lightgrey", "score": "tab:orange", "train": "tab:green",

@@ -356,6 +356,8 @@ class Rollout:
     tool_mask: torch.Tensor | None = None       # (B, T) 0 on tokens an engine inserted (tool results)
     sampling_logps: torch.Tensor | None = None  # (B, T) the engine's own log-probs of its samples
     rows: list = field(default_factory=list)    # (B) the dataset rows the completions answer (not checkpointed)
+    loss_old_logps: torch.Tensor | None = None  # (B, T) old log-probs the loss's forwards left, filled micro-batch by
+                                                # micro-batch (the IS metrics without an extra pass: 06_trainer)
 
     def __len__(self):
         return self.prompt_ids.size(0)

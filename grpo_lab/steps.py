@@ -16,7 +16,8 @@ from .loss import high_entropy_mask
 from .rollout import Rollout, generation_chunks, stream_chunks
 
 # %% auto 0
-__all__ = ['Position', 'MicroStep', 'advance', 'micro_batches', 'epoch_chunks', 'absolute', 'AdaptiveEntropy', 'EntropyWindow']
+__all__ = ['Position', 'MicroStep', 'advance', 'micro_batches', 'rollout_micro_steps', 'epoch_chunks', 'absolute',
+           'AdaptiveEntropy', 'EntropyWindow']
 
 # %% ../nbs/06g_steps.ipynb
 @dataclass
@@ -57,6 +58,25 @@ def micro_batches(num_rows: int, batch_size: int, seed: int, pos: Position) -> l
     gen = torch.Generator().manual_seed(seed * 100_003 + pos.epoch * 1_009 + pos.generation)
     order = torch.randperm(num_rows, generator=gen)
     return [order[i:i + batch_size] for i in range(0, num_rows, batch_size)]
+
+# %% ../nbs/06g_steps.ipynb
+def rollout_micro_steps(rollout: Rollout, pos: Position, n_generations: int | None, args,
+                        streaming: bool = False) -> Iterator[MicroStep]:
+    "The micro-steps of one generation batch's `rollout` from `pos`: `num_iterations` passes over its micro-batches."
+    ga, mu = args.gradient_accumulation_steps, args.num_iterations
+    batches = micro_batches(len(rollout), args.per_device_train_batch_size, args.seed, pos)
+    # a stream's epoch length is unknown: progress counts against max_steps, as in the HF Trainer
+    per_epoch = args.max_steps * ga if streaming else n_generations * mu * len(batches)
+    current = (pos.epoch, pos.generation)
+    while (pos.epoch, pos.generation) == current:
+        in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
+        after = advance(pos, len(batches), mu, n_generations or math.inf)
+        ends_epoch = after.epoch != pos.epoch
+        yield MicroStep(rollout.select(batches[pos.micro]), rollout, sync=(in_epoch + 1) % ga == 0 or ends_epoch,
+                        ends_epoch=ends_epoch, after=after,
+                        epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch,
+                        indices=batches[pos.micro])
+        pos = after
 
 # %% ../nbs/06g_steps.ipynb
 def epoch_chunks(dataset, streaming: bool, unique: int, seed: int, shuffle: bool, epoch: int,

@@ -42,7 +42,7 @@ from .parts import (build_bookkeeping, build_scoring, build_update, check_half_p
 from .rollout import (Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -283,6 +283,20 @@ def _sampler_weights(args, rollout: Rollout):
                                        args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                        is_clip_max(args))
 
+
+def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
+    """With `_old_from_loss`, collect the micro-batches' old log-probs in `rollout.loss_old_logps`; once every row is
+    in, the whole batch's `sampling/*` metrics (TRL computes them over the whole batch too)."""
+    rollout, batch = step.rollout, step.batch
+    if not _old_from_loss(trainer) or rollout.sampling_logps is None or batch.old_logps is None or step.indices is None:
+        return
+    if rollout.loss_old_logps is None:      # beside rollout.old_logps, which later micro-batches must not read
+        rollout.loss_old_logps = torch.full_like(rollout.sampling_logps, math.nan)
+    rollout.loss_old_logps[step.indices] = batch.old_logps.to(rollout.loss_old_logps.dtype)
+    if not rollout.loss_old_logps.isnan().any():      # every micro-batch of the rollout has run
+        whole = dataclasses.replace(rollout, old_logps=rollout.loss_old_logps)
+        rollout.metrics.update(_sampler_weights(trainer.args, whole)[1])
+
 # %% ../nbs/06_trainer.ipynb
 @torch.no_grad()
 def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
@@ -404,88 +418,77 @@ def _data_order(args) -> tuple[int, bool]:
 
 # %% ../nbs/06_trainer.ipynb
 @patch
-def micro_steps(self: GRPOTrainer, pos: Position, rollout: Rollout | None = None) -> Iterator[MicroStep]:
-    "Every micro-step of the run from `pos`, as one flat stream (endless: the loop stops at max_steps)."
-    args, acc = self.args, self.accelerator
-    ga, mu = args.gradient_accumulation_steps, args.num_iterations
+def generation_batches(self: GRPOTrainer, pos: Position) -> Iterator[tuple[Position, int | None, list[dict]]]:
+    """The run's generation batches from `pos`, endless (the loop stops at `max_steps`): where each starts, how many
+    batches its epoch has (a stream: None until its last) and its prompt rows, one per unique prompt."""
     while True:
         for prompts, n_generations in _epoch_chunks(self, pos.epoch, pos.generation):
-            if rollout is None:
-                rollout = _generate_and_score(self, *generation_rows(prompts, args.num_generations, acc.num_processes,
-                                                                     acc.process_index))
-            batches = micro_batches(len(rollout), args.per_device_train_batch_size, args.seed, pos)   # once per rollout
-            # a stream's epoch length is unknown: progress counts against max_steps, as in the HF Trainer
-            per_epoch = args.max_steps * ga if self.streaming else n_generations * mu * len(batches)
-            current = (pos.epoch, pos.generation)
-            while (pos.epoch, pos.generation) == current:
-                in_epoch = (pos.generation * mu + pos.iteration) * len(batches) + pos.micro
-                after = advance(pos, len(batches), mu, n_generations or math.inf)
-                ends_epoch = after.epoch != pos.epoch
-                yield MicroStep(rollout.select(batches[pos.micro]), rollout,
-                                sync=(in_epoch + 1) % ga == 0 or ends_epoch, ends_epoch=ends_epoch, after=after,
-                                epoch=pos.epoch + 1 if ends_epoch else pos.epoch + (in_epoch + 1) / per_epoch,
-                                indices=batches[pos.micro])
-                pos = after
-            rollout = None
+            yield pos, n_generations, prompts
+            pos = Position(pos.epoch, pos.generation + 1)
+        pos = Position(pos.epoch + 1)
+
+
+@patch
+def generate_and_score(self: GRPOTrainer, prompts: list[dict]) -> Rollout:
+    "Stages 1-4 for one generation batch: this process's share of `prompts`, each `num_generations` times."
+    acc = self.accelerator
+    return _generate_and_score(self, *generation_rows(prompts, self.args.num_generations, acc.num_processes,
+                                                      acc.process_index))
 
 # %% ../nbs/06_trainer.ipynb
 @patch
 def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = None, **kwargs) -> TrainOutput:
-    "Run GRPO for `plan.total_optimizer_steps` optimizer steps (or until a callback stops it)."
-    start, rollout = _begin_training(self, resume_from_checkpoint)
-    if start is None:                       # resumed at the run's last step
+    """GRPO: for each generation batch, generate and score it, then learn from it micro-batch by micro-batch, with an
+    optimizer step every `gradient_accumulation_steps`, for `plan.total_optimizer_steps` steps (or until a callback
+    stops it)."""
+    pos, rollout = _begin_training(self, resume_from_checkpoint)   # a checkpoint may hold a half-learned rollout
+    if pos is None:                                          # resumed at the run's last step
         return _already_finished(self)
-    losses, stats, window, step_losses, step_time = [], [], [], [], 0.0
-    stream = self.micro_steps(start, rollout)
+    step, window, step_losses = _OpenStep(), [], []
     with _checkpoint_on_interrupt(self):
-        while True:
-            if not losses:                   # before the step's generation, as HF and TRL call it
-                self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            began = time.perf_counter()
-            step = next(stream)              # generates when the micro-step starts a generation batch
-            inputs = TrainingInputs(step.rollout.rows, step)
-            losses.append(self.training_step(self.model, inputs, step.rollout.num_items_in_batch).item())
-            stats.append(inputs.stats)
-            step_time += time.perf_counter() - began
-            if not step.sync:
-                self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
-                continue
-            window.append({**_optimizer_step(self, losses, stats, step.rollout), "step_time": step_time})
-            step_losses.append(window[-1]["loss"])
-            losses, stats, step_time = [], [], 0.0
-            _end_step(self, step, window)
-            if self.control.should_training_stop:
-                break
-    return _end_training(self, window, step_losses)
+        for pos, n_generations, prompts in self.generation_batches(pos):
+            _begin_step(self, step)                          # on_step_begin comes before the step's generation
+            if rollout is None:
+                rollout = self.generate_and_score(prompts)   # stages 1-4: sample, score, advantages
+            for micro in rollout_micro_steps(rollout, pos, n_generations, self.args, self.streaming):
+                _begin_step(self, step)
+                inputs = TrainingInputs(rollout.rows, micro)
+                step.add(self.training_step(self.model, inputs, rollout.num_items_in_batch), inputs.stats)  # 5-6
+                if not micro.sync:
+                    self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
+                    continue
+                losses, stats, seconds = step.close()
+                window.append({**_optimizer_step(self, losses, stats, rollout), "step_time": seconds})   # 7
+                step_losses.append(window[-1]["loss"])
+                _end_step(self, micro, window)               # count the step; log, evaluate, save as asked
+                if self.control.should_training_stop:
+                    return _end_training(self, window, step_losses)
+            rollout = None
+
+
+class _OpenStep:
+    "The optimizer step being accumulated: its micro-batches' losses and statistics, and when it began."
+    def __init__(self):
+        self.losses, self.stats, self.began = [], [], None
+
+    def add(self, loss: torch.Tensor, stats: dict):
+        self.losses.append(loss.item())
+        self.stats.append(stats)
+
+    def close(self) -> tuple[list[float], list[dict], float]:
+        "The step's losses, statistics and seconds so far; the next step starts empty."
+        closed = self.losses, self.stats, time.perf_counter() - self.began
+        self.losses, self.stats, self.began = [], [], None
+        return closed
+
+
+def _begin_step(trainer: GRPOTrainer, step: _OpenStep):
+    "At the first micro-step of an optimizer step (or the generation before it): the callbacks' `on_step_begin`."
+    if step.began is None:
+        trainer.control = trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)
+        step.began = time.perf_counter()
 
 # %% ../nbs/06_trainer.ipynb
-def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
-    "Forward and backward one micro-batch; gradients are synchronised across processes only when `step.sync`."
-    acc = trainer.accelerator
-    acc.gradient_state._set_sync_gradients(step.sync)
-    with acc.no_sync(trainer.model) if not step.sync else contextlib.nullcontext():
-        loss, stats = _micro_batch_loss(trainer, step.batch)
-        _keep_old_logps(trainer, step)
-        if not torch.isfinite(loss) and acc.scaler is None:    # under fp16 the scaler skips the step instead
-            raise NonFiniteLossError(f"the loss at step {trainer.state.global_step + 1} is {loss.item()}; the weights "
-                                     f"were not updated. {_resume_hint(trainer._last_checkpoint)}")
-        acc.backward(loss)
-    return loss.item(), stats
-
-
-def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
-    "With `_old_from_loss`, gather the micro-batches' old log-probs; once all are in, the batch's `sampling/*` metrics."
-    rollout, batch = step.rollout, step.batch
-    if not _old_from_loss(trainer) or rollout.sampling_logps is None or batch.old_logps is None or step.indices is None:
-        return
-    if not hasattr(rollout, "loss_old_logps"):  # beside rollout.old_logps, which later micro-batches must not read
-        rollout.loss_old_logps = torch.full_like(rollout.sampling_logps, math.nan)
-    rollout.loss_old_logps[step.indices] = batch.old_logps.to(rollout.loss_old_logps.dtype)
-    if not rollout.loss_old_logps.isnan().any():      # every micro-batch of the rollout has run
-        whole = dataclasses.replace(rollout, old_logps=rollout.loss_old_logps)
-        rollout.metrics.update(_sampler_weights(trainer.args, whole)[1])
-
-
 class TrainingInputs(list):
     "A generation batch's dataset rows (as TRL's dataloader hands them to `training_step`) and the micro-step to learn."
     def __init__(self, rows: list[dict], step: MicroStep):
@@ -496,13 +499,21 @@ class TrainingInputs(list):
 @patch
 def training_step(self: GRPOTrainer, model, inputs: TrainingInputs, num_items_in_batch: float | None = None
                   ) -> torch.Tensor:
-    "The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; the loss."
+    "The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; its loss."
     if not isinstance(inputs, TrainingInputs):
         raise TypeError(f"training_step got {type(inputs).__name__}: it takes the TrainingInputs that train() builds "
                         "(the generation batch's rows and the micro-step); override it and call super(), or call "
                         "trainer.train() rather than training_step directly.")
-    loss, inputs.stats = _learn_from(self, inputs.step)
-    return torch.tensor(loss)
+    step, acc = inputs.step, self.accelerator
+    acc.gradient_state._set_sync_gradients(step.sync)     # DDP all-reduces only on the micro-step that closes a step
+    with acc.no_sync(self.model) if not step.sync else contextlib.nullcontext():
+        loss, inputs.stats = _micro_batch_loss(self, step.batch)
+        _keep_old_logps(self, step)
+        if not torch.isfinite(loss) and acc.scaler is None:    # under fp16 the scaler skips the step instead
+            raise NonFiniteLossError(f"the loss at step {self.state.global_step + 1} is {loss.item()}; the weights "
+                                     f"were not updated. {_resume_hint(self._last_checkpoint)}")
+        acc.backward(loss)
+    return loss.detach()
 
 
 @contextlib.contextmanager

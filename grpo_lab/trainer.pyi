@@ -28,7 +28,7 @@ from .models import reference_logps
 from .parts import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
 from .rollout import Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, MicroStep, Position, absolute, advance, epoch_chunks, micro_batches
+from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -90,16 +90,23 @@ class GRPOTrainer(TrainerSurface):
         """Remove a callback (a class or an instance), as in the HF Trainer."""
         ...
 
-    def micro_steps(self, pos: Position, rollout: Rollout | None=None) -> Iterator[MicroStep]:
-        """Every micro-step of the run from `pos`, as one flat stream (endless: the loop stops at max_steps)."""
+    def generation_batches(self, pos: Position) -> Iterator[tuple[Position, int | None, list[dict]]]:
+        """The run's generation batches from `pos`, endless (the loop stops at `max_steps`): where each starts, how many
+    batches its epoch has (a stream: None until its last) and its prompt rows, one per unique prompt."""
+        ...
+
+    def generate_and_score(self, prompts: list[dict]) -> Rollout:
+        """Stages 1-4 for one generation batch: this process's share of `prompts`, each `num_generations` times."""
         ...
 
     def train(self, resume_from_checkpoint: bool | str | Path | None=None, **kwargs) -> TrainOutput:
-        """Run GRPO for `plan.total_optimizer_steps` optimizer steps (or until a callback stops it)."""
+        """GRPO: for each generation batch, generate and score it, then learn from it micro-batch by micro-batch, with an
+    optimizer step every `gradient_accumulation_steps`, for `plan.total_optimizer_steps` steps (or until a callback
+    stops it)."""
         ...
 
     def training_step(self, model, inputs: TrainingInputs, num_items_in_batch: float | None=None) -> torch.Tensor:
-        """The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; the loss."""
+        """The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; its loss."""
         ...
 
     def log(self, logs: dict, start_time: float | None=None, samples: list | None=None):
@@ -187,6 +194,11 @@ def _sampler_weights(args, rollout: Rollout):
     """TRL's importance-sampling weights of `rollout`'s rows (engine vs policy) and their `sampling/*` metrics."""
     ...
 
+def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
+    """With `_old_from_loss`, collect the micro-batches' old log-probs in `rollout.loss_old_logps`; once every row is
+    in, the whole batch's `sampling/*` metrics (TRL computes them over the whole batch too)."""
+    ...
+
 def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     """Fill in the old and reference log-probs where they are needed."""
     ...
@@ -228,12 +240,21 @@ def _data_order(args) -> tuple[int, bool]:
     """The seed and the shuffle switch of the prompt order (`data_seed` if set, as in the HF Trainer)."""
     ...
 
-def _learn_from(trainer: GRPOTrainer, step: MicroStep) -> tuple[float, dict]:
-    """Forward and backward one micro-batch; gradients are synchronised across processes only when `step.sync`."""
-    ...
+class _OpenStep:
+    """The optimizer step being accumulated: its micro-batches' losses and statistics, and when it began."""
 
-def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
-    """With `_old_from_loss`, gather the micro-batches' old log-probs; once all are in, the batch's `sampling/*` metrics."""
+    def __init__(self):
+        ...
+
+    def add(self, loss: torch.Tensor, stats: dict):
+        ...
+
+    def close(self) -> tuple[list[float], list[dict], float]:
+        """The step's losses, statistics and seconds so far; the next step starts empty."""
+        ...
+
+def _begin_step(trainer: GRPOTrainer, step: _OpenStep):
+    """At the first micro-step of an optimizer step (or the generation before it): the callbacks' `on_step_begin`."""
     ...
 
 class TrainingInputs(list):

@@ -117,7 +117,7 @@ def test_every_public_method_of_the_trainer_is_in_the_stub():
         {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets}
     public = {name for name in vars(GRPOTrainer) if not name.startswith("_")}
     assert public <= declared, sorted(public - declared)
-    assert {"train", "evaluate", "micro_steps", "save_checkpoint", "log"} <= declared
+    assert {"train", "evaluate", "generation_batches", "generate_and_score", "save_checkpoint", "log"} <= declared
 
 
 def test_no_private_helper_is_patched_onto_the_trainer():
