@@ -35,7 +35,7 @@ from .logs import (append_metrics, mean_metrics, plot_history, print_samples, re
                            update_best_metric, write_completions)
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
-from .parts import (build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir,
+from .assemble import (build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir,
                             check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)

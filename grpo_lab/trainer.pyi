@@ -25,7 +25,7 @@ from .data import load_prompts
 from .logs import append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary, update_best_metric, write_completions
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
-from .parts import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
+from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
 from .rollout import Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps

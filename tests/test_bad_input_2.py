@@ -150,7 +150,7 @@ def test_a_seed_given_as_text_trains(tmp_path):
 def test_fp16_on_a_cpu_says_it_trains_in_float32(tmp_path, caplog):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: fp16 runs there")
-    with caplog.at_level(logging.WARNING, logger="grpo_lab.parts"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.assemble"):
         trainer = small_run(tmp_path, fp16=True, max_steps=1, save_strategy="no")
     assert any("fp16=True, but this run is on the CPU" in r.message and "float32" in r.message for r in caplog.records)
     assert next(trainer.model.parameters()).dtype == torch.float32

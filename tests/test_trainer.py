@@ -338,7 +338,7 @@ def test_prompts_longer_than_the_models_context_are_refused_before_training(tmp_
 
 
 def test_completions_that_cannot_fit_are_announced_once_and_capped(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="grpo_lab.parts"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lab.assemble"):
         trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_completion_length=512),
                               train_dataset=arithmetic_task(16))
     assert sum("max_completion_length=512 does not fit" in r.message for r in caplog.records) == 1
