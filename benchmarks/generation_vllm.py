@@ -48,7 +48,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from grpo_lab.models import smollm2_path
-    from grpo_lab.rollout import GenerateEngine, SamplingSettings, SharedPrefillEngine, generation_rows
+    from grpo_lab.rollout import GenerateEngine, SamplingSettings, generation_rows
 
     folder = smollm2_path() if a.model == "smollm2" else shaped_model(a.model)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -62,7 +62,7 @@ def main(argv=None):
         from grpo_lab.vllm_engine import VLLMColocateEngine
         engine = VLLMColocateEngine(model, tok, dtype=a.dtype, max_model_len=512, seed=0)
     else:
-        engine = (GenerateEngine if a.engine == "generate" else SharedPrefillEngine)(tok)
+        engine = GenerateEngine(tok, share_prefill=False if a.engine == "generate" else None)
     start_seconds = time.perf_counter() - started
     seconds, tokens = [], []
     for r in range(a.rounds + 1):

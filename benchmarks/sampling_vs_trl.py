@@ -154,10 +154,10 @@ def main():
     _, train_set, _ = demo_problems("smollm2", 0, 200)
     prompts = [train_set[i] for i in range(N_PROMPTS)]
     lab, theirs = trainers(train_set, "/tmp/sampling-vs-trl")
-    from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine
+    from grpo_lab.rollout import GenerateEngine
     recorder = RecordScores(lab.accelerator.unwrap_model(lab.model))
     samplers = {"grpo-lab generate": lab_sampler(lab, GenerateEngine(lab.processing_class), recorder),
-                "grpo-lab shared prefill": lab_sampler(lab, SharedPrefillEngine(lab.processing_class), recorder),
+                "grpo-lab shared prefill": lab_sampler(lab, GenerateEngine(lab.processing_class, share_prefill=None), recorder),
                 "trl": trl_sampler(theirs)}
     records, seconds = {name: [] for name in samplers}, {name: 0.0 for name in samplers}
     rounds = a.completions // G

@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 
 from .config import GRPOConfig, as_dict
 from .loss import completion_logps
-from .rollout import Completions, GenerateEngine, RolloutEngine, SharedPrefillEngine, generation_rows
+from .rollout import Completions, GenerateEngine, RolloutEngine, generation_rows
 from .steps import Position
 from .trainer import GRPOTrainer, _epoch_chunks, _generate_and_score
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -369,7 +369,7 @@ AsyncWorker.submit, AsyncWorker.next_result, AsyncWorker.push, AsyncWorker.stop 
 class QueuedEngine(RolloutEngine):
     "Returns the worker's batch set with `hand()`; anything else (evaluation) is generated on the current policy."
     def __init__(self, tokenizer, device=None):
-        self.local, self.pending = SharedPrefillEngine(tokenizer, device), None
+        self.local, self.pending = GenerateEngine(tokenizer, device, share_prefill=None), None
 
     def hand(self, completions: Completions) -> None:
         self.pending = completions

@@ -27,8 +27,8 @@ __all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'generation_chunks', 'expand_gr
            'stream_chunks', 'check_stream_length', 'render_prompts', 'pad_left', 'pad_right', 'length_mask',
            'truncated_rows', 'tokenize_prompts', 'SamplingSettings', 'generation_config', 'completion_mask',
            'prompt_groups', 'group_starts', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
-           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'SharedPrefillEngine',
-           'ContinuousBatchingEngine', 'Rollout', 'length_metrics']
+           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout',
+           'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
 def generation_chunks(dataset_size: int, unique_prompts: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
@@ -296,22 +296,17 @@ def prepare_prompts(rows: list[dict], group: torch.Tensor, tokenizer, settings: 
 
 # %% ../nbs/06b_rollout.ipynb
 class GenerateEngine(RolloutEngine):
-    "Padded `model.generate` on the policy itself: the simplest engine, and the reference for the others."
-    share_prefill: bool | None = False
-
-    def __init__(self, tokenizer, device=None):
-        self.tokenizer, self.device = tokenizer, device
+    """Padded `model.generate` on the policy itself: the simplest engine, and the reference for the others.
+    `share_prefill`: prefill each group's prompt once (None: where that saves enough work, grpo-lab's default in the
+    trainer; False: plain `generate`, as TRL samples)."""
+    def __init__(self, tokenizer, device=None, share_prefill: bool | None = False):
+        self.tokenizer, self.device, self.share_prefill = tokenizer, device, share_prefill
 
     def generate(self, rows, group, policy, settings, step) -> Completions:
         texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings, self.device)
         c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, generation_config(settings),
                                                       settings.eos_token_ids, self.share_prefill, group.to(p_ids.device))
         return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group)
-
-
-class SharedPrefillEngine(GenerateEngine):
-    "Padded `generate` with each group's prompt prefilled once (where that saves enough work: grpo-lab's default)."
-    share_prefill = None
 
 # %% ../nbs/06b_rollout.ipynb
 class ContinuousBatchingEngine(RolloutEngine):

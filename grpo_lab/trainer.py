@@ -39,7 +39,7 @@ from .assemble import (build_bookkeeping, build_scoring, build_update, check_hal
                             check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
-from .rollout import (Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length,
+from .rollout import (Completions, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
@@ -184,7 +184,7 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
                               max_tool_calling_iterations=args.max_tool_calling_iterations)
     if args.use_transformers_continuous_batching or args.use_transformers_paged:   # TRL's switch (and its old name)
         return ContinuousBatchingEngine(tokenizer, trainer.accelerator.device, args.transformers_continuous_batching_config)
-    return SharedPrefillEngine(tokenizer, trainer.accelerator.device)
+    return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=None)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -26,7 +26,7 @@ from .logs import append_metrics, mean_metrics, plot_history, print_samples, res
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
-from .rollout import Completions, ContinuousBatchingEngine, Rollout, RolloutEngine, SharedPrefillEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
+from .rollout import Completions, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
 from .surface import TrainerSurface, _model_card

@@ -301,15 +301,15 @@ def test_engines_in_a_training_step_on_cuda(tmp_path):
     from grpo_lab import GRPOTrainer
     from grpo_lab.data import arithmetic_task
     from grpo_lab.rewards import exact_answer
-    from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine
+    from grpo_lab.rollout import GenerateEngine
     from transformers import AutoTokenizer
     mixed = "bf16" if DEVICE.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
-    for engine_class in (SharedPrefillEngine, GenerateEngine):
+    for share_prefill in (None, False):
         tokenizer = AutoTokenizer.from_pretrained(TINY)
-        args = row_config(tmp_path / engine_class.__name__, mixed, "lora", 0.0)
+        args = row_config(tmp_path / f"share_prefill_{share_prefill}", mixed, "lora", 0.0)
         args.max_steps = 2
         trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32), processing_class=tokenizer,
-                              engine=engine_class(tokenizer, DEVICE), **row_shortcuts("lora"))
+                              engine=GenerateEngine(tokenizer, DEVICE, share_prefill), **row_shortcuts("lora"))
         trainer.train()
         assert len(trainer.history) == 2 and all(math.isfinite(h["loss"]) for h in trainer.history)
 

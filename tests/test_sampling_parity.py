@@ -22,7 +22,7 @@ import grpo_lab.trainer as lab_trainer  # noqa: E402
 from conftest import smollm2_with_lora  # noqa: E402
 from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_lab.loss import completion_logps  # noqa: E402
-from grpo_lab.rollout import GenerateEngine, SharedPrefillEngine, generation_rows  # noqa: E402
+from grpo_lab.rollout import GenerateEngine, generation_rows  # noqa: E402
 
 G, NEW_TOKENS, TEMPERATURE, SEED = 4, 16, 0.7, 0
 # Prompts of different lengths, so that rows are left-padded (positions and masks matter) and groups share a prefix.
@@ -88,7 +88,7 @@ def lab(lora_model, tmp_path_factory):
     recorder = RecordScores(policy)
     rows, group = generation_rows(list(dataset()), G)
     results = {}
-    for name, engine in (("generate", GenerateEngine(tokenizer)), ("shared prefill", SharedPrefillEngine(tokenizer))):
+    for name, engine in (("generate", GenerateEngine(tokenizer)), ("shared prefill", GenerateEngine(tokenizer, share_prefill=None))):
         trainer.engine = engine
         torch.manual_seed(SEED)
         out = lab_trainer._completions(trainer, rows, group)      # the trainer's one call to its engine

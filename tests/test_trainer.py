@@ -787,7 +787,7 @@ def test_dataloaders_yield_what_the_loop_reads_with_trls_worker_rule(tmp_path):
     assert sum(len(b) for b in evaluation) == 16             # 4 prompts x G=4
 
 
-class _OffPolicyEngine(tr.SharedPrefillEngine):
+class _OffPolicyEngine(tr.GenerateEngine):
     "The policy's own samples, with sampling log-probs that differ from the policy's (as a vLLM engine's do)."
     def generate(self, rows, group, policy, settings, step):
         from grpo_lab.loss import completion_logps
@@ -814,7 +814,7 @@ def test_is_correction_takes_old_logps_from_the_loss_forward_exactly(tmp_path, m
         args = small_args(out, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                           use_vllm=True, seed=3)
         trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(16),
-                              engine=_OffPolicyEngine(AutoTokenizer.from_pretrained(TINY), torch.device("cpu")))
+                              engine=_OffPolicyEngine(AutoTokenizer.from_pretrained(TINY), torch.device("cpu"), share_prefill=None))
         trainer.train()
         return trainer, len(forwards)
 
