@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fastcore.basics import patch
 from transformers import TrainerCallback
 
 from .config import GRPOConfig, as_dict
@@ -289,81 +288,75 @@ class AsyncWorker:
                 raise AsyncWorkerError(f"the generation worker did not start within vllm_server_timeout={timeout}s; "
                                        "raise it on a slow or busy machine.")
 
-# %% ../nbs/06l_async.ipynb
-def _check_health(self: AsyncWorker, idle_limit: float | None = None) -> None:
-    "Raise `AsyncWorkerError` if the worker failed, exited, stopped ticking or is stuck on one batch."
-    args, ch, now = self.args, self.ch, time.time()
-    try:
-        failure = ch.errors.get_nowait()
-    except queue.Empty:
-        failure = None
-    if failure is not None:
-        raise AsyncWorkerError(f"the generation worker failed with {failure}.")
-    if not self.process.is_alive():
-        raise AsyncWorkerError(f"the generation worker (pid {self.process.pid}) exited with code "
-                               f"{self.process.exitcode} before it delivered its batch.")
-    busy = ch.busy_since.value
-    if busy and now - busy > args.request_timeout:
-        raise AsyncWorkerError(f"the generation worker spent {now - busy:.0f}s on one batch, more than "
-                               f"request_timeout={args.request_timeout}s.")
-    limit = args.heartbeat_stale_after_s if idle_limit is None else idle_limit
-    if not busy and now - ch.heartbeat.value > limit:
-        raise AsyncWorkerError(f"the generation worker's heartbeat is {now - ch.heartbeat.value:.0f}s old, more than "
-                               f"heartbeat_stale_after_s={args.heartbeat_stale_after_s}s: it is hung.")
-
-AsyncWorker.check_health = _check_health
-
-# %% ../nbs/06l_async.ipynb
-def _submit(self: AsyncWorker, rows: list[dict], group: torch.Tensor) -> int:
-    "Hand the worker one generation batch; return its task number."
-    self.ch.tasks.put((self.submitted, rows, group, self.pushed))
-    self.submitted += 1
-    return self.submitted - 1
-
-
-def _next_result(self: AsyncWorker) -> tuple[WorkerResult, float]:
-    "The next finished batch (in task order) and the seconds the trainer waited for it; checks health while waiting."
-    start = time.time()
-    while True:
+    def check_health(self, idle_limit: float | None = None) -> None:
+        "Raise `AsyncWorkerError` if the worker failed, exited, stopped ticking or is stuck on one batch."
+        args, ch, now = self.args, self.ch, time.time()
         try:
-            return self.ch.results.get(timeout=0.2), time.time() - start
+            failure = ch.errors.get_nowait()
         except queue.Empty:
-            self.check_health()
+            failure = None
+        if failure is not None:
+            raise AsyncWorkerError(f"the generation worker failed with {failure}.")
+        if not self.process.is_alive():
+            raise AsyncWorkerError(f"the generation worker (pid {self.process.pid}) exited with code "
+                                   f"{self.process.exitcode} before it delivered its batch.")
+        busy = ch.busy_since.value
+        if busy and now - busy > args.request_timeout:
+            raise AsyncWorkerError(f"the generation worker spent {now - busy:.0f}s on one batch, more than "
+                                   f"request_timeout={args.request_timeout}s.")
+        limit = args.heartbeat_stale_after_s if idle_limit is None else idle_limit
+        if not busy and now - ch.heartbeat.value > limit:
+            raise AsyncWorkerError(f"the generation worker's heartbeat is {now - ch.heartbeat.value:.0f}s old, more than "
+                                   f"heartbeat_stale_after_s={args.heartbeat_stale_after_s}s: it is hung.")
+
+    def submit(self, rows: list[dict], group: torch.Tensor) -> int:
+        "Hand the worker one generation batch; return its task number."
+        self.ch.tasks.put((self.submitted, rows, group, self.pushed))
+        self.submitted += 1
+        return self.submitted - 1
 
 
-def _push(self: AsyncWorker, model, version: int) -> float:
-    "Send the trainable weights as `version`; the worker loads them before its next batch. Returns the seconds taken."
-    start = time.time()
-    if hasattr(model, "merge_and_unload"):     # a PEFT model: the worker holds the merged weights
-        state = _cpu_state(_plain(model).state_dict())
-    else:
-        state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
-    try:
-        self.ch.weights.put((version, state), timeout=self.args.weight_sync_timeout)
-    except queue.Full:
-        raise AsyncWorkerError(f"the weights of version {version} did not reach the worker within "
-                               f"weight_sync_timeout={self.args.weight_sync_timeout}s.") from None
-    self.pushed = version
-    return time.time() - start
+    def next_result(self) -> tuple[WorkerResult, float]:
+        "The next finished batch (in task order) and the seconds the trainer waited for it; checks health while waiting."
+        start = time.time()
+        while True:
+            try:
+                return self.ch.results.get(timeout=0.2), time.time() - start
+            except queue.Empty:
+                self.check_health()
 
 
-def _stop(self: AsyncWorker) -> int:
-    "Stop the worker and return how many finished batches were still queued (they are discarded)."
-    self.ch.stop.set()
-    queued = 0
-    while True:
+    def push(self, model, version: int) -> float:
+        "Send the trainable weights as `version`; the worker loads them before its next batch. Returns the seconds taken."
+        start = time.time()
+        if hasattr(model, "merge_and_unload"):     # a PEFT model: the worker holds the merged weights
+            state = _cpu_state(_plain(model).state_dict())
+        else:
+            state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
         try:
-            self.ch.results.get_nowait()
-            queued += 1
-        except (queue.Empty, OSError, EOFError):
-            break
-    self.process.join(timeout=5)
-    if self.process.is_alive():
-        self.process.kill()
-        self.process.join(timeout=5)
-    return queued
+            self.ch.weights.put((version, state), timeout=self.args.weight_sync_timeout)
+        except queue.Full:
+            raise AsyncWorkerError(f"the weights of version {version} did not reach the worker within "
+                                   f"weight_sync_timeout={self.args.weight_sync_timeout}s.") from None
+        self.pushed = version
+        return time.time() - start
 
-AsyncWorker.submit, AsyncWorker.next_result, AsyncWorker.push, AsyncWorker.stop = _submit, _next_result, _push, _stop
+
+    def stop(self) -> int:
+        "Stop the worker and return how many finished batches were still queued (they are discarded)."
+        self.ch.stop.set()
+        queued = 0
+        while True:
+            try:
+                self.ch.results.get_nowait()
+                queued += 1
+            except (queue.Empty, OSError, EOFError):
+                break
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        return queued
 
 # %% ../nbs/06l_async.ipynb
 class QueuedEngine(RolloutEngine):
@@ -423,6 +416,65 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.worker_threads, self.worker, self.timeline = worker_threads, None, []
         self._pending, self._ready, self._carry = deque(), None, {}   # submitted batches; the next to score; metrics
         self.add_callback(_PushWeights(self))
+
+    def generation_batches(self, pos: Position):
+        """GRPOTrainer's hook fed by the worker: its finished batches in the run's order from `pos`, the stale ones
+        dropped. The weights due after the last step are pushed before the worker is handed more work."""
+        _start_worker(self)
+        trained = bool(pos.iteration or pos.micro)
+        if trained:                         # a resumed, half-learned rollout (the checkpoint's): not generated again
+            yield pos, _generations_per_epoch(self), None
+            pos = Position(pos.epoch, pos.generation + 1)
+        feed = _batches_from(self, pos)
+        while True:
+            if trained:                     # the loop asks for a batch once it has learned from the last one
+                _event(self, "trainer", "train", self._training_since, time.time())
+            trained = True
+            _push_if_due(self)
+            self._ready = _next_fresh(self, feed)
+            yield self._ready.pos, self._ready.n_generations, self._ready.prompts
+
+    def generate_and_score(self, prompts: list[dict]):
+        "GRPOTrainer's hook for the worker's batch of `prompts`: already sampled; scored here, corrected for staleness."
+        ready = self._ready
+        if ready is None or ready.prompts is not prompts:
+            raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
+                               "last; call them in that order (as train() does).")
+        self.engine.hand(ready.result.completions)
+        rollout = _generate_and_score(self, ready.rows, ready.result.completions.group)
+        rollout.metrics.update(correct_off_policy(self, rollout))
+        rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
+                                "sample/staleness_max": float(ready.staleness),
+                                "sample/rollout_queue_size": float(_queue_size(self.worker) * len(ready.rows)),
+                                "sample/time_in_queue_s": ready.taken - ready.result.finished,
+                                "perf/rollout_wait_s": ready.waited, "sample/dropped_stale_total": 0.0, **self._carry})
+        self._carry.clear()
+        self._ready, self._training_since = None, time.time()
+        _event(self, "trainer", "score", ready.taken, self._training_since)
+        return rollout
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        "GRPOTrainer.train with the worker started on the first batch and stopped at the end, on success or failure."
+        try:
+            return GRPOTrainer.train(self, resume_from_checkpoint, **kwargs)
+        finally:
+            if self.worker is not None:
+                queued = self.worker.stop()
+                pending = len(self._pending)
+                self.worker = None
+                if pending:
+                    logger.info("the async run ended with %d generation batches in flight (%d finished); they were "
+                                "discarded.", pending, queued)
+
+    def save_checkpoint(self) -> Path:
+        "GRPOTrainer.save_checkpoint, then the number of samples queued or in flight (`async_queue.json`, atomically)."
+        final = GRPOTrainer.save_checkpoint(self)
+        if self.accelerator.is_main_process and self.worker is not None:
+            queued = sum(len(rows) for *_, rows in self._pending)
+            tmp = final / "async_queue.json.tmp"
+            tmp.write_text(json.dumps({"queued_samples": queued, "max_staleness": self.args.max_staleness}))
+            os.replace(tmp, final / "async_queue.json")
+        return final
 
 # %% ../nbs/06l_async.ipynb
 def _event(trainer, lane: str, what: str, start: float, end: float, **info):
@@ -532,76 +584,9 @@ def _queue_size(worker: AsyncWorker) -> int:
         return 0
 
 # %% ../nbs/06l_async.ipynb
-@patch
-def generation_batches(self: AsyncGRPOTrainer, pos: Position):
-    """GRPOTrainer's hook fed by the worker: its finished batches in the run's order from `pos`, the stale ones
-    dropped. The weights due after the last step are pushed before the worker is handed more work."""
-    _start_worker(self)
-    trained = bool(pos.iteration or pos.micro)
-    if trained:                         # a resumed, half-learned rollout (the checkpoint's): not generated again
-        yield pos, _generations_per_epoch(self), None
-        pos = Position(pos.epoch, pos.generation + 1)
-    feed = _batches_from(self, pos)
-    while True:
-        if trained:                     # the loop asks for a batch once it has learned from the last one
-            _event(self, "trainer", "train", self._training_since, time.time())
-        trained = True
-        _push_if_due(self)
-        self._ready = _next_fresh(self, feed)
-        yield self._ready.pos, self._ready.n_generations, self._ready.prompts
-
-
-@patch
-def generate_and_score(self: AsyncGRPOTrainer, prompts: list[dict]):
-    "GRPOTrainer's hook for the worker's batch of `prompts`: already sampled; scored here, corrected for staleness."
-    ready = self._ready
-    if ready is None or ready.prompts is not prompts:
-        raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
-                           "last; call them in that order (as train() does).")
-    self.engine.hand(ready.result.completions)
-    rollout = _generate_and_score(self, ready.rows, ready.result.completions.group)
-    rollout.metrics.update(correct_off_policy(self, rollout))
-    rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
-                            "sample/staleness_max": float(ready.staleness),
-                            "sample/rollout_queue_size": float(_queue_size(self.worker) * len(ready.rows)),
-                            "sample/time_in_queue_s": ready.taken - ready.result.finished,
-                            "perf/rollout_wait_s": ready.waited, "sample/dropped_stale_total": 0.0, **self._carry})
-    self._carry.clear()
-    self._ready, self._training_since = None, time.time()
-    _event(self, "trainer", "score", ready.taken, self._training_since)
-    return rollout
-
-
 def _generations_per_epoch(trainer) -> int:
     "The generation batches of one epoch (what a resumed, half-trained rollout needs to place itself)."
     return next(iter(_epoch_chunks(trainer, 0, 0)))[1]
-
-# %% ../nbs/06l_async.ipynb
-@patch
-def train(self: AsyncGRPOTrainer, resume_from_checkpoint=None, **kwargs):
-    "GRPOTrainer.train with the worker started on the first batch and stopped at the end, on success or failure."
-    try:
-        return GRPOTrainer.train(self, resume_from_checkpoint, **kwargs)
-    finally:
-        if self.worker is not None:
-            queued = self.worker.stop()
-            pending = len(self._pending)
-            self.worker = None
-            if pending:
-                logger.info("the async run ended with %d generation batches in flight (%d finished); they were "
-                            "discarded.", pending, queued)
-
-
-@patch
-def save_checkpoint(self: AsyncGRPOTrainer) -> Path:
-    "GRPOTrainer.save_checkpoint, then the number of samples queued or in flight (`async_queue.json`, atomically)."
-    final = GRPOTrainer.save_checkpoint(self)
-    if self.accelerator.is_main_process and self.worker is not None:
-        queued = sum(len(rows) for *_, rows in self._pending)
-        tmp = final / "async_queue.json.tmp"
-        tmp.write_text(json.dumps({"queued_samples": queued, "max_staleness": self.args.max_staleness}))
-        os.replace(tmp, final / "async_queue.json")
-    return final
 
 # %% ../nbs/06l_async.ipynb
 LANE_COLOURS = {"generate": "tab:blue", "wait": "lightgrey", "score": "tab:orange", "train": "tab:green",

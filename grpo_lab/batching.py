@@ -40,6 +40,48 @@ class BatchPlan:
     optimizer_steps_per_epoch: int | None
     total_optimizer_steps: int | None
 
+    def __repr__(self) -> str:
+        rows = [(f.name, _show(getattr(self, f.name)), _MEANING[f.name]) for f in fields(self)]
+        width, value_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+        lines = [f"  {n:<{width}}  {v:>{value_width}}  {m}".rstrip() for n, v, m in rows]
+        lines.insert(8, "  " + "-" * (width + value_width + 2))
+        return "BatchPlan(\n" + "\n".join(lines) + "\n)"
+
+    def explain(self) -> str:
+        "The arithmetic of this plan in words, with its numbers."
+        pd, ga, procs, g = (self.per_device_train_batch_size, self.gradient_accumulation_steps,
+                            self.num_processes, self.num_generations)
+        s, u, mu = self.steps_per_generation, self.unique_prompts_per_generation, self.num_iterations
+        spg = ("the default, equal to gradient_accumulation_steps" if s == ga else
+               f"one generation batch feeds {_show(s / ga)} optimizer steps" if s > ga else
+               f"an optimizer step spans {_show(ga / s)} generation batches")
+        who = "The one process" if procs == 1 else f"Each of the {procs} processes"
+        text = [
+            f"{who} computes {_plural(pd, 'completion')} per micro-step (per_device_train_batch_size counts completions, "
+            f"not prompts): {self.completions_per_micro_step} per micro-step in all.",
+            f"One generation batch holds {pd} x {procs} x {s} = {self.generation_batch_size} completions "
+            f"(steps_per_generation {s}: {spg}): {_plural(u, 'unique prompt')} x num_generations {g}.",
+            f"An optimizer step accumulates {_plural(ga, 'micro-step')}: {pd} x {procs} x {ga} = "
+            f"{self.completions_per_optimizer_step} completions = {_show(self.prompts_per_optimizer_step)} "
+            f"prompt{'' if self.prompts_per_optimizer_step == 1 else 's'}.",
+        ]
+        if self.dataset_size is None:
+            text.append("Give dataset_size to count micro-steps and optimizer steps.")
+        else:
+            n, gens = self.dataset_size, self.generations_per_epoch
+            text += [
+                f"The {n} prompts are shuffled and cut into floor({n} / {u}) = {gens} generation batches "
+                f"({self.prompts_dropped_per_epoch} prompts dropped per epoch).",
+                f"Each generation batch feeds {_plural(s, 'micro-step')}, {'once' if mu == 1 else f'{mu} times'} (num_iterations {mu}): {gens} x {mu} x {s} = "
+                f"{self.micro_steps_per_epoch} micro-steps per process per epoch, and ceil({self.micro_steps_per_epoch} / {ga}) = "
+                f"{self.optimizer_steps_per_epoch} optimizer steps per epoch.",
+            ]
+        if self.total_optimizer_steps is not None:
+            how = ("max_steps overrides the epochs" if self.max_steps and self.max_steps > 0
+                   else f"{_plural(self.num_train_epochs, 'epoch')} x {self.optimizer_steps_per_epoch}")
+            text.append(f"Total: {how}: {self.total_optimizer_steps} optimizer steps.")
+        return "\n".join(text)
+
 # %% ../nbs/00_batching.ipynb
 class BatchConfigError(ValueError):
     "An invalid batch configuration: the message names the rule; `suggestions` are keyword fixes."
@@ -368,56 +410,6 @@ def _show(value) -> str:
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else f"{value:.4g}"
     return str(value)
-
-
-def _plan_repr(self) -> str:
-    rows = [(f.name, _show(getattr(self, f.name)), _MEANING[f.name]) for f in fields(self)]
-    width, value_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    lines = [f"  {n:<{width}}  {v:>{value_width}}  {m}".rstrip() for n, v, m in rows]
-    lines.insert(8, "  " + "-" * (width + value_width + 2))
-    return "BatchPlan(\n" + "\n".join(lines) + "\n)"
-
-
-BatchPlan.__repr__ = _plan_repr
-
-# %% ../nbs/00_batching.ipynb
-def _explain(self) -> str:
-    "The arithmetic of this plan in words, with its numbers."
-    pd, ga, procs, g = (self.per_device_train_batch_size, self.gradient_accumulation_steps,
-                        self.num_processes, self.num_generations)
-    s, u, mu = self.steps_per_generation, self.unique_prompts_per_generation, self.num_iterations
-    spg = ("the default, equal to gradient_accumulation_steps" if s == ga else
-           f"one generation batch feeds {_show(s / ga)} optimizer steps" if s > ga else
-           f"an optimizer step spans {_show(ga / s)} generation batches")
-    who = "The one process" if procs == 1 else f"Each of the {procs} processes"
-    text = [
-        f"{who} computes {_plural(pd, 'completion')} per micro-step (per_device_train_batch_size counts completions, "
-        f"not prompts): {self.completions_per_micro_step} per micro-step in all.",
-        f"One generation batch holds {pd} x {procs} x {s} = {self.generation_batch_size} completions "
-        f"(steps_per_generation {s}: {spg}): {_plural(u, 'unique prompt')} x num_generations {g}.",
-        f"An optimizer step accumulates {_plural(ga, 'micro-step')}: {pd} x {procs} x {ga} = "
-        f"{self.completions_per_optimizer_step} completions = {_show(self.prompts_per_optimizer_step)} "
-        f"prompt{'' if self.prompts_per_optimizer_step == 1 else 's'}.",
-    ]
-    if self.dataset_size is None:
-        text.append("Give dataset_size to count micro-steps and optimizer steps.")
-    else:
-        n, gens = self.dataset_size, self.generations_per_epoch
-        text += [
-            f"The {n} prompts are shuffled and cut into floor({n} / {u}) = {gens} generation batches "
-            f"({self.prompts_dropped_per_epoch} prompts dropped per epoch).",
-            f"Each generation batch feeds {_plural(s, 'micro-step')}, {'once' if mu == 1 else f'{mu} times'} (num_iterations {mu}): {gens} x {mu} x {s} = "
-            f"{self.micro_steps_per_epoch} micro-steps per process per epoch, and ceil({self.micro_steps_per_epoch} / {ga}) = "
-            f"{self.optimizer_steps_per_epoch} optimizer steps per epoch.",
-        ]
-    if self.total_optimizer_steps is not None:
-        how = ("max_steps overrides the epochs" if self.max_steps and self.max_steps > 0
-               else f"{_plural(self.num_train_epochs, 'epoch')} x {self.optimizer_steps_per_epoch}")
-        text.append(f"Total: {how}: {self.total_optimizer_steps} optimizer steps.")
-    return "\n".join(text)
-
-
-BatchPlan.explain = _explain
 
 # %% ../nbs/00_batching.ipynb
 def _format_change(change: dict) -> str:

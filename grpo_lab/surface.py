@@ -17,7 +17,7 @@ from .checkpoint import check_links, inside
 from .loss import vespo_weights
 
 # %% auto 0
-__all__ = ['REFUSED_METHODS', 'TrainerSurface', 'get_gamma_weights', 'create_model_card', 'init_hf_repo', 'push_to_hub']
+__all__ = ['REFUSED_METHODS', 'get_gamma_weights', 'TrainerSurface', 'create_model_card', 'init_hf_repo', 'push_to_hub']
 
 # %% ../nbs/06j_surface.ipynb
 REFUSED_METHODS = {
@@ -42,8 +42,18 @@ def _refused(name: str, reason: str):
     return method
 
 # %% ../nbs/06j_surface.ipynb
+def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, k_pos: float = 2.0,
+                      lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    "TRL's VESPO gamma weights: `loss.vespo_weights` (the vLLM importance-sampling ratio is applied by the loop)."
+    if importance_sampling_ratio is not None:
+        raise NotImplementedError("get_gamma_weights with importance_sampling_ratio: grpo-lab applies the vLLM "
+                                  "correction in its loop; call it with importance_sampling_ratio=None.")
+    return vespo_weights(advantages, log_ratio_per_token, mask, k_pos, lambda_pos, k_neg, lambda_neg)
+
+# %% ../nbs/06j_surface.ipynb
 class TrainerSurface:
     "The `transformers.Trainer` methods TRL scripts call, written against grpo-lab's trainer state."
+    get_gamma_weights = staticmethod(get_gamma_weights)     # TRL's static method (VESPO)
     loss_is_scaled_for_ga = True      # the loss is already divided for accumulation (TRL's value)
     log_metrics = trainer_pt_utils.log_metrics          # transformers' own: they read only args, state and the rank
 
@@ -151,18 +161,6 @@ def _surface_helpers(cls):
 
 
 _surface_helpers(TrainerSurface)
-
-# %% ../nbs/06j_surface.ipynb
-def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, k_pos: float = 2.0,
-                      lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
-    "TRL's VESPO gamma weights: `loss.vespo_weights` (the vLLM importance-sampling ratio is applied by the loop)."
-    if importance_sampling_ratio is not None:
-        raise NotImplementedError("get_gamma_weights with importance_sampling_ratio: grpo-lab applies the vLLM "
-                                  "correction in its loop; call it with importance_sampling_ratio=None.")
-    return vespo_weights(advantages, log_ratio_per_token, mask, k_pos, lambda_pos, k_neg, lambda_neg)
-
-
-TrainerSurface.get_gamma_weights = staticmethod(get_gamma_weights)
 
 # %% ../nbs/06j_surface.ipynb
 def _model_card(trainer, path: Path, model_name=None, dataset_name=None, tags=None) -> Path:

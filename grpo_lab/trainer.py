@@ -74,6 +74,8 @@ def _resume_hint(last: Path | None) -> str:
 # %% ../nbs/06_trainer.ipynb
 class GRPOTrainer(TrainerSurface):
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."
+    get_off_policy_mask = staticmethod(off_policy_mask)     # TRL's static method: 03_loss's function (section 6)
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
@@ -797,9 +799,6 @@ def get_high_entropy_mask(self: GRPOTrainer, entropies: torch.Tensor, mask: torc
                           threshold: float) -> torch.Tensor:
     "TRL's method: True where a completion token's entropy reaches the `threshold` quantile over all processes' tokens."
     return high_entropy_mask(entropies, mask, threshold, _gather_flat(self.accelerator, entropies[mask.bool()].float()))
-
-
-GRPOTrainer.get_off_policy_mask = staticmethod(off_policy_mask)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -50,6 +50,7 @@ def _resume_hint(last: Path | None) -> str:
 
 class GRPOTrainer(TrainerSurface):
     """Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."""
+    get_off_policy_mask = staticmethod(off_policy_mask)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None, *, lora_r: int | None=None, lora_alpha: int | None=None, lora_dropout: float=0.0, target_modules='all-linear', load_in_4bit: bool=False):
         ...
@@ -144,7 +145,6 @@ class GRPOTrainer(TrainerSurface):
     def plot(self, keys: list[str] | None=None):
         """Small multiples of the logged metrics (evaluation rewards beside the training reward)."""
         ...
-    get_off_policy_mask = staticmethod(off_policy_mask)
 
 def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     """TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."""

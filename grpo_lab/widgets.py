@@ -612,38 +612,34 @@ class TrainingDashboard(Explorer, TrainerCallback):
                 self.curves.setdefault(key, []).append((step, float(value)))
         self.logs = logs
 
-# %% ../nbs/07_widgets.ipynb
-def _dashboard_headline(self) -> str:
-    "Step, epoch and the latest value of each drawn metric, in one line."
-    if not self.logs:
-        return "TrainingDashboard: waiting for the first log"
-    step = f"step {fmt(self.logs.get('step'))}" + (f"/{self.total_steps}" if self.total_steps else "")
-    values = [f"{title} {fmt(self.logs[k])}" for k, title in self.metrics.items() if k in self.logs]
-    return " · ".join([step, f"epoch {fmt(self.logs.get('epoch'))}", *values])
+    def headline(self) -> str:
+        "Step, epoch and the latest value of each drawn metric, in one line."
+        if not self.logs:
+            return "TrainingDashboard: waiting for the first log"
+        step = f"step {fmt(self.logs.get('step'))}" + (f"/{self.total_steps}" if self.total_steps else "")
+        values = [f"{title} {fmt(self.logs[k])}" for k, title in self.metrics.items() if k in self.logs]
+        return " · ".join([step, f"epoch {fmt(self.logs.get('epoch'))}", *values])
 
 
-def _dashboard_redraw(self):
-    "Draw the curves and the samples table into the widget; does nothing where it cannot be seen."
-    if not (self.live or self._shown):
-        return
-    self._drawn_at = time.monotonic()
-    png = curves_png(self.curves, self.metrics)
-    self.title.value = f"<b>{html.escape(_dashboard_headline(self))}</b>"
-    self.picture.value, self.picture.layout.display = png or b"", None if png else "none"
-    self.table.value = samples_html(self.samples, self.max_samples) if self.samples else ""
+    def redraw(self):
+        "Draw the curves and the samples table into the widget; does nothing where it cannot be seen."
+        if not (self.live or self._shown):
+            return
+        self._drawn_at = time.monotonic()
+        png = curves_png(self.curves, self.metrics)
+        self.title.value = f"<b>{html.escape(self.headline())}</b>"
+        self.picture.value, self.picture.layout.display = png or b"", None if png else "none"
+        self.table.value = samples_html(self.samples, self.max_samples) if self.samples else ""
 
 
-def _dashboard_text(self) -> str:
-    lines = [_dashboard_headline(self)] + [f"{k}: {len(points)} points" for k, points in self.curves.items()]
-    lines += [f"  {s.get('prompt', '')!r} -> {s.get('completion', '')!r}: reward {fmt(s.get('reward'))}"
-              for s in self.samples[:self.max_samples]]
-    return "\n".join(lines)
+    def text(self) -> str:
+        lines = [self.headline()] + [f"{k}: {len(points)} points" for k, points in self.curves.items()]
+        lines += [f"  {s.get('prompt', '')!r} -> {s.get('completion', '')!r}: reward {fmt(s.get('reward'))}"
+                  for s in self.samples[:self.max_samples]]
+        return "\n".join(lines)
 
 
-def _dashboard_bundle(self, include=None, exclude=None) -> dict:
-    self._shown = self._shown or in_notebook()
-    self.redraw()
-    return Explorer._repr_mimebundle_(self, include, exclude)
-
-
-TrainingDashboard.redraw, TrainingDashboard.text, TrainingDashboard._repr_mimebundle_ = _dashboard_redraw, _dashboard_text, _dashboard_bundle
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        self._shown = self._shown or in_notebook()
+        self.redraw()
+        return Explorer._repr_mimebundle_(self, include, exclude)
