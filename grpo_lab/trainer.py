@@ -467,7 +467,7 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
                     return _end_training(self, window, step_losses)
             rollout = None
 
-
+# %% ../nbs/06_trainer.ipynb
 class _OpenStep:
     "The optimizer step being accumulated: its micro-batches' losses and statistics, and when it began."
     def __init__(self):
@@ -517,7 +517,7 @@ def training_step(self: GRPOTrainer, model, inputs: TrainingInputs, num_items_in
         acc.backward(loss)
     return loss.detach()
 
-
+# %% ../nbs/06_trainer.ipynb
 @contextlib.contextmanager
 def _checkpoint_on_interrupt(trainer: GRPOTrainer):
     "Ctrl-C: save a checkpoint at the last completed step, then raise `TrainingInterrupted` naming it."
