@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import math
@@ -23,17 +22,17 @@ from transformers import TrainerCallback
 
 from .config import GRPOConfig, as_dict
 from .loss import completion_logps
-from .rollout import Completions, GenerateEngine, RolloutEngine, generation_rows
+from .rollout import Completions, GenerateEngine, generation_rows
 from .steps import Position
-from .trainer import GRPOTrainer, _epoch_chunks, _generate_and_score
+from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
-           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'QueuedEngine', 'correct_off_policy',
-           'AsyncGRPOTrainer', 'plot_timeline']
+           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'correct_off_policy', 'AsyncGRPOTrainer',
+           'plot_timeline']
 
 # %% ../nbs/06l_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -359,21 +358,6 @@ class AsyncWorker:
         return queued
 
 # %% ../nbs/06l_async.ipynb
-class QueuedEngine(RolloutEngine):
-    "Returns the worker's batch set with `hand()`; anything else (evaluation) is generated on the current policy."
-    def __init__(self, tokenizer, device=None):
-        self.local, self.pending = GenerateEngine(tokenizer, device, share_prefill=None), None
-
-    def hand(self, completions: Completions) -> None:
-        self.pending = completions
-
-    def generate(self, rows, group, policy, settings, step) -> Completions:
-        if self.pending is None:
-            return self.local.generate(rows, group, policy, settings, step)
-        out, self.pending = self.pending, None
-        return out
-
-# %% ../nbs/06l_async.ipynb
 @torch.no_grad()
 def correct_off_policy(trainer: GRPOTrainer, rollout) -> dict:
     "Fill `old_logps` from the current policy and fold TRL's importance-sampling weights into the advantages."
@@ -412,7 +396,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          reward_processing_classes, callbacks, optimizers, peft_config, **kwargs)
         if self.streaming:
             raise ValueError("a streamed train_dataset is not supported by AsyncGRPOTrainer yet: give a Dataset.")
-        self.engine = QueuedEngine(self.processing_class, self.accelerator.device)
         self.worker_threads, self.worker, self.timeline = worker_threads, None, []
         self._pending, self._ready, self._carry = deque(), None, {}   # submitted batches; the next to score; metrics
         self.add_callback(_PushWeights(self))
@@ -440,8 +423,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if ready is None or ready.prompts is not prompts:
             raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
                                "last; call them in that order (as train() does).")
-        self.engine.hand(ready.result.completions)
-        rollout = _generate_and_score(self, ready.rows, ready.result.completions.group)
+        rollout = _scored_rollout(self, ready.rows, ready.result.completions)
         rollout.metrics.update(correct_off_policy(self, rollout))
         rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
                                 "sample/staleness_max": float(ready.staleness),

@@ -237,10 +237,9 @@ def _length_metrics(acc, out: Completions) -> dict:
     return length_metrics(lengths, acc.gather(out.truncated.to(acc.device)).cpu())
 
 # %% ../nbs/06_trainer.ipynb
-def _generate_and_score(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Rollout:
-    "Stages 1-4 for this process's `rows`: generate, mask, score, advantages."
+def _scored_rollout(trainer: GRPOTrainer, rows: list[dict], out: Completions) -> Rollout:
+    "Stages 2-4 for the completions `out` of this process's `rows`: score, advantages, the rollout and its metrics."
     acc, state = trainer.accelerator, trainer.state
-    out = _completions(trainer, rows, group)
     scored, adv, stats = _score(trainer, rows, out, trainer.args.num_generations)
     rollout = _as_rollout(trainer, out, adv)
     rollout.sampling_logps, rollout.rows = out.sampling_logps, list(rows)
@@ -434,8 +433,9 @@ def generation_batches(self: GRPOTrainer, pos: Position) -> Iterator[tuple[Posit
 def generate_and_score(self: GRPOTrainer, prompts: list[dict]) -> Rollout:
     "Stages 1-4 for one generation batch: this process's share of `prompts`, each `num_generations` times."
     acc = self.accelerator
-    return _generate_and_score(self, *generation_rows(prompts, self.args.num_generations, acc.num_processes,
-                                                      acc.process_index))
+    rows, group = generation_rows(prompts, self.args.num_generations, acc.num_processes, acc.process_index)
+    completions = _completions(self, rows, group)       # stage 1: the engine samples
+    return _scored_rollout(self, rows, completions)     # stages 2-4: rewards, advantages, log-probs
 
 # %% ../nbs/06_trainer.ipynb
 @patch

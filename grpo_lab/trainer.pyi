@@ -170,8 +170,8 @@ def _length_metrics(acc, out: Completions) -> dict:
     """TRL's completion-length metrics of all processes' completions, counting the model's own tokens."""
     ...
 
-def _generate_and_score(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Rollout:
-    """Stages 1-4 for this process's `rows`: generate, mask, score, advantages."""
+def _scored_rollout(trainer: GRPOTrainer, rows: list[dict], out: Completions) -> Rollout:
+    """Stages 2-4 for the completions `out` of this process's `rows`: score, advantages, the rollout and its metrics."""
     ...
 
 def _samples(prompts: list[str], scored: Scored, rewards: torch.Tensor, adv: torch.Tensor) -> list[dict]:
