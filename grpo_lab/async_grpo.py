@@ -25,6 +25,7 @@ from .loss import completion_logps
 from .rollout import Completions, GenerateEngine, generation_rows
 from .steps import Position
 from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
+from .widgets import Explorer, fmt, html_table, picture, text_table, widgets
 from .vllm_engine import importance_sampling_weights, is_clip_max
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
            'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'correct_off_policy', 'AsyncGRPOTrainer',
-           'plot_timeline']
+           'plot_timeline', 'run_record', 'staleness_png', 'StalenessExplorer']
 
 # %% ../nbs/06l_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -587,3 +588,72 @@ def plot_timeline(timeline: list[dict], ax=None, title: str = ""):
     ax.set_xlabel("seconds")
     ax.set_title(title, fontsize=9)
     return ax
+
+# %% ../nbs/06l_async.ipynb
+def run_record(trainer: AsyncGRPOTrainer) -> dict:
+    "A finished async run as the staleness explorer draws it: per-step metrics and the run's speed."
+    steps = [h for h in trainer.history if "sample/staleness_max" in h]
+    col = lambda key, default=0.0: [float(h.get(key, default)) for h in steps]
+    trained = [e for e in trainer.timeline if e["what"] == "train"]
+    first = min((e["start"] for e in trained), default=0.0)
+    seconds = max((e["end"] for e in trained), default=0.0) - first
+    completions = trainer.plan.completions_per_optimizer_step * max(len(steps) - 1, 0)   # after the first batch
+    return {"max_staleness": trainer.args.max_staleness, "reward": col("reward"),
+            "staleness": col("sample/staleness_max"), "ratio_min": col("sampling/importance_sampling_ratio/min", 1.0),
+            "ratio_mean": col("sampling/importance_sampling_ratio/mean", 1.0),
+            "dropped": col("sample/dropped_stale_total"), "length": col("completions/mean_length"),
+            "completions_per_s": completions / seconds if seconds > 0 else math.nan}
+
+# %% ../nbs/06l_async.ipynb
+def staleness_png(records: dict, chosen: int) -> bytes:
+    "Reward, importance ratios and dropped samples per step: the `chosen` record over the most synchronous one."
+    from matplotlib.figure import Figure
+    from grpo_lab.widgets import figure_png
+    base, run = records[min(records)], records[chosen]
+    fig = Figure(figsize=(9, 2.4))
+    axes = fig.subplots(1, 3)
+    steps = lambda r: range(1, len(r["reward"]) + 1)
+    axes[0].plot(steps(base), base["reward"], color="lightgrey", label=f"max_staleness={min(records)}")
+    axes[0].plot(steps(run), run["reward"], color="tab:blue", label=f"max_staleness={chosen}")
+    axes[1].plot(steps(run), run["ratio_mean"], color="tab:blue", label="mean")
+    axes[1].plot(steps(run), run["ratio_min"], color="tab:red", label="min")
+    axes[2].bar(list(steps(run)), run["dropped"], color="tab:red")
+    for ax, title in zip(axes, ("reward", "importance ratio w", "samples dropped as stale")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return figure_png(fig)
+
+
+class StalenessExplorer(Explorer):
+    "Recorded async runs, one per `max_staleness` (`run_record`): a slider picks one, drawn over the most synchronous."
+    def __init__(self, records: list[dict]):
+        self.records = {r["max_staleness"]: r for r in records}
+        options = sorted(self.records)
+        self.slider = widgets.SelectionSlider(options=options, value=options[-1], description="max_staleness",
+                                              continuous_update=False, style={"description_width": "110px"})
+        self.summary, self.picture = widgets.HTML(), picture()
+        self.widget = widgets.VBox([self.slider, self.summary, self.picture])
+        self.slider.observe(self.refresh, names="value")
+        self.refresh()
+
+    def refresh(self, change=None):
+        self.summary.value = html_table(*self._table())
+        self.picture.value = staleness_png(self.records, self.slider.value)
+
+    def _table(self) -> tuple[list, list]:
+        base, chosen = min(self.records), self.slider.value
+        def figures(r):
+            n = max(len(r["reward"]) // 4, 1)
+            return [fmt(r["completions_per_s"]), fmt(sum(r["dropped"])), fmt(sum(r["staleness"]) / max(len(r["staleness"]), 1)),
+                    fmt(min(r["ratio_min"], default=1.0)), f"{fmt(sum(r['reward'][:n]) / n)} -> {fmt(sum(r['reward'][-n:]) / n)}"]
+        names = ["completions trained per second", "samples dropped as stale", "mean staleness of a trained batch",
+                 "smallest importance ratio", "reward, first quarter -> last quarter"]
+        rows = [[name, a, b] for name, a, b in zip(names, figures(self.records[base]), figures(self.records[chosen]))]
+        return ["", f"max_staleness={base}", f"max_staleness={chosen}"], rows
+
+    def text(self) -> str:
+        return text_table(*self._table())
