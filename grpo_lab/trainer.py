@@ -21,12 +21,13 @@ from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
 
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
-from .batching import plan_for
+from .batching import BatchPlan, plan_for
 from .checkpoint import (batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state,
                                  save_main_files, set_rng_state)
 from .config import GRPOConfig
@@ -39,10 +40,10 @@ from .assemble import (build_bookkeeping, build_scoring, build_update, check_hal
                             check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
-from .rollout import (Completions, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length,
+from .rollout import (Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length,
                       expand_groups, generation_chunks, generation_rows, length_metrics, process_rows)
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
+from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -75,6 +76,41 @@ def _resume_hint(last: Path | None) -> str:
 class GRPOTrainer(TrainerSurface):
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."
     get_off_policy_mask = staticmethod(off_policy_mask)     # TRL's static method: 03_loss's function (section 6)
+    # The trainer's state (TRL's names where TRL has one). __init__ sets the first block; 06h_assemble's three groups
+    # set scoring, update and bookkeeping; train() and the checkpoints keep the run's place.
+    args: GRPOConfig
+    accelerator: Accelerator
+    plan: BatchPlan                               # the batch arithmetic, computed once (00_batching)
+    loss_settings: LossSettings
+    processing_class: object                      # the tokenizer
+    engine: RolloutEngine
+    streaming: bool                               # train_dataset is an IterableDataset
+    autocast_dtype: torch.dtype | None            # the mixed precision the forwards run under
+    reward_funcs: list                            # scoring: functions and reward models, TRL's order
+    reward_weights: torch.Tensor
+    reward_names: list[str]
+    reward_func_names: list[str]
+    reward_processing_classes: list
+    eos_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingSettings
+    model: torch.nn.Module                        # update: the policy, as the accelerator prepared it
+    ref_model: torch.nn.Module | None             # beta > 0 without LoRA (with LoRA: the frozen "ref" adapter)
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    aux_loss_enabled: bool
+    has_dropout: bool
+    entropy_control: AdaptiveEntropy | None
+    entropy_window: EntropyWindow
+    state: TrainerState                           # bookkeeping: the HF Trainer's state, control and callbacks
+    control: TrainerControl
+    callback_handler: CallbackHandler
+    tools: list                                   # TRL's tool names (the engine's tools, every environment's)
+    _last_checkpoint: Path | None = None          # the run: the newest checkpoint written or resumed from
+    _resume_point: tuple | None = None            # (Position, unfinished Rollout or None, RNG state) after the last step
+    _start_time: float = 0.0
+    _first_step: int = 0                          # global_step when this train() began
+    _best_pending: bool = False                   # an evaluation found a best metric; the next checkpoint holds it
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
@@ -757,7 +793,7 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
                                  self.args.save_total_limit, state.best_model_checkpoint)
     self._last_checkpoint = final
     self.create_model_card()                     # README.md in output_dir, as TRL writes it with each checkpoint
-    if getattr(self, "_best_pending", False):
+    if self._best_pending:
         state.best_model_checkpoint, self._best_pending = str(final), False
     return final
 

@@ -14,11 +14,12 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
 from . import checkpoint as ckpt
 from .advantages import compute_advantages
-from .batching import plan_for
+from .batching import BatchPlan, plan_for
 from .checkpoint import batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
 from .config import GRPOConfig
 from .data import load_prompts
@@ -26,9 +27,9 @@ from .logs import append_metrics, mean_metrics, plot_history, print_samples, res
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
-from .rollout import Completions, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
+from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
+from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -51,6 +52,39 @@ def _resume_hint(last: Path | None) -> str:
 class GRPOTrainer(TrainerSurface):
     """Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."""
     get_off_policy_mask = staticmethod(off_policy_mask)
+    args: GRPOConfig
+    accelerator: Accelerator
+    plan: BatchPlan
+    loss_settings: LossSettings
+    processing_class: object
+    engine: RolloutEngine
+    streaming: bool
+    autocast_dtype: torch.dtype | None
+    reward_funcs: list
+    reward_weights: torch.Tensor
+    reward_names: list[str]
+    reward_func_names: list[str]
+    reward_processing_classes: list
+    eos_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingSettings
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    aux_loss_enabled: bool
+    has_dropout: bool
+    entropy_control: AdaptiveEntropy | None
+    entropy_window: EntropyWindow
+    state: TrainerState
+    control: TrainerControl
+    callback_handler: CallbackHandler
+    tools: list
+    _last_checkpoint: Path | None = None
+    _resume_point: tuple | None = None
+    _start_time: float = 0.0
+    _first_step: int = 0
+    _best_pending: bool = False
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None, *, lora_r: int | None=None, lora_alpha: int | None=None, lora_dropout: float=0.0, target_modules='all-linear', load_in_4bit: bool=False):
         ...
