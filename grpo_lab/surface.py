@@ -85,14 +85,7 @@ class TrainerSurface:
         "Remove a callback (a class or an instance) and return it."
         return self.callback_handler.pop_callback(callback)
 
-# %% ../nbs/06j_surface.ipynb
-@contextlib.contextmanager
-def _nothing():
-    yield
-
-
-def _surface_helpers(cls):
-    "Add the optimizer, sizes and context helpers of transformers.Trainer with their signatures."
+    # transformers.Trainer's optimizer, size and context helpers, with their signatures
     def get_learning_rates(self) -> list[float]:
         "The learning rate of each parameter group now."
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -148,19 +141,21 @@ def _surface_helpers(cls):
         stack.enter_context(self.accelerator.autocast())
         return stack
 
-    get_tp_size = get_cp_size = get_sp_size = lambda self: 1     # no tensor, context or sequence parallelism
-    for fn in (get_learning_rates, get_num_trainable_parameters, get_optimizer_group, get_decay_parameter_names,
-               get_total_train_batch_size, num_examples, floating_point_ops, store_flos, create_optimizer,
-               create_scheduler, create_optimizer_and_scheduler, autocast_smart_context_manager,
-               compute_loss_context_manager):
-        setattr(cls, fn.__name__, fn)
-    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
-        setattr(cls, name, get_tp_size)
-    for name, reason in REFUSED_METHODS.items():
-        setattr(cls, name, _refused(name, reason))
+    def get_tp_size(self) -> int:
+        "1: no tensor parallelism."
+        return 1
 
+    def get_cp_size(self) -> int:
+        "1: no context parallelism."
+        return 1
 
-_surface_helpers(TrainerSurface)
+    def get_sp_size(self) -> int:
+        "1: no sequence parallelism."
+        return 1
+
+# %% ../nbs/06j_surface.ipynb
+for _name, _reason in REFUSED_METHODS.items():      # the Trainer methods grpo-lab refuses, each with its sentence
+    setattr(TrainerSurface, _name, _refused(_name, _reason))
 
 # %% ../nbs/06j_surface.ipynb
 def _model_card(trainer, path: Path, model_name=None, dataset_name=None, tags=None) -> Path:
