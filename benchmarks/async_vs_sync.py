@@ -37,6 +37,12 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
+def _mean(history: list[dict], key: str):
+    "The mean of a logged per-step figure over the steps that logged it (None where none did)."
+    values = [h[key] for h in history if key in h]
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def run(kind: str, staleness: int, seed: int, model: str, steps: int, accuracy: bool) -> dict:
     recipe = DEMO_RECIPES[model]
     model_path, train_set, held_out = demo_problems(model, seed, recipe.eval_size)
@@ -72,6 +78,7 @@ def run(kind: str, staleness: int, seed: int, model: str, steps: int, accuracy: 
             "seconds_per_step": round(seconds / (len(clock.ends) - 1), 2),
             "mean_staleness": round(sum(h["sample/staleness_max"] for h in history) / len(history), 2) if history else 0.0,
             "dropped": sum(h.get("sample/dropped_stale_total", 0) for h in history),
+            "weight_push_s": _mean(history, "perf/weight_sync_s"), "rollout_wait_s": _mean(history, "perf/rollout_wait_s"),
             "accuracy_before": before, "accuracy_after": after}
 
 
@@ -91,9 +98,10 @@ if __name__ == "__main__":
         for kind, staleness in plan:
             results.append(run(kind, staleness, seed, a.model, a.steps, a.accuracy))
             print(json.dumps(results[-1]), flush=True)
-    print("\n| run | seed | completions/s | s/step | mean staleness | dropped | accuracy before -> after |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| run | seed | completions/s | s/step | mean staleness | dropped | weight push s | wait s | accuracy before -> after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         acc = "-" if r["accuracy_before"] is None else f"{r['accuracy_before']:.2f} -> {r['accuracy_after']:.2f}"
         print(f"| {r['run']} | {r['seed']} | {r['completions_per_s']} | {r['seconds_per_step']} | {r['mean_staleness']} "
-              f"| {r['dropped']:g} | {acc} |")
+              f"| {r['dropped']:g} | {r['weight_push_s'] if r['weight_push_s'] is not None else '-'} "
+              f"| {r['rollout_wait_s'] if r['rollout_wait_s'] is not None else '-'} | {acc} |")
