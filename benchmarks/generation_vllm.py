@@ -48,7 +48,8 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from grpo_lab.models import smollm2_path
-    from grpo_lab.rollout import GenerateEngine, SamplingSettings, generation_rows
+    from grpo_lab.rollout import GenerateEngine, SamplingSettings
+    from grpo_lab.steps import generation_rows
 
     folder = smollm2_path() if a.model == "smollm2" else shaped_model(a.model)
     tok = AutoTokenizer.from_pretrained(folder)

@@ -73,7 +73,7 @@ def trainers(train_set, output_dir: str):
 
 def lab_sampler(trainer, engine, recorder: RecordScores):
     "A function of (prompt rows, seed) -> per-completion records, through grpo-lab's trainer and `engine`."
-    from grpo_lab.rollout import generation_rows
+    from grpo_lab.steps import generation_rows
 
     def sample(prompts: list[dict], seed: int) -> list[dict]:
         trainer.engine = engine

@@ -22,8 +22,8 @@ from transformers import TrainerCallback
 
 from .config import GRPOConfig, as_dict
 from .loss import completion_logps
-from .rollout import Completions, GenerateEngine, generation_rows
-from .steps import Position
+from .rollout import Completions, GenerateEngine
+from .steps import Position, generation_rows
 from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
 from .widgets import Explorer, fmt, html_table, picture, text_table, widgets
 from .vllm_engine import importance_sampling_weights, is_clip_max

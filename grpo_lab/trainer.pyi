@@ -27,9 +27,9 @@ from .logs import append_metrics, mean_metrics, plot_history, print_samples, res
 from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
-from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, check_stream_length, expand_groups, generation_chunks, generation_rows, length_metrics, process_rows
+from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, length_metrics
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, epoch_chunks, rollout_micro_steps
+from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max

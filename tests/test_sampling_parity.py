@@ -22,7 +22,8 @@ import grpo_lab.trainer as lab_trainer  # noqa: E402
 from conftest import smollm2_with_lora  # noqa: E402
 from grpo_lab import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_lab.loss import completion_logps  # noqa: E402
-from grpo_lab.rollout import GenerateEngine, generation_rows  # noqa: E402
+from grpo_lab.rollout import GenerateEngine  # noqa: E402
+from grpo_lab.steps import generation_rows  # noqa: E402
 
 G, NEW_TOKENS, TEMPERATURE, SEED = 4, 16, 0.7, 0
 # Prompts of different lengths, so that rows are left-padded (positions and masks matter) and groups share a prefix.

@@ -9,7 +9,7 @@ from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.data import arithmetic_task
 from grpo_lab.models import tiny_model_path
 from grpo_lab.rewards import exact_answer
-from grpo_lab.rollout import stream_chunks
+from grpo_lab.steps import stream_chunks
 
 TINY = str(tiny_model_path())
 

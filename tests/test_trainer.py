@@ -12,7 +12,7 @@ from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.data import arithmetic_task
 from grpo_lab.models import tiny_model_path
 from grpo_lab.rewards import RewardFunctionError, exact_answer
-from grpo_lab.rollout import generation_rows
+from grpo_lab.steps import generation_rows
 import grpo_lab.trainer as tr
 from grpo_lab.trainer import NonFiniteLossError, TrainingInterrupted
 
@@ -700,7 +700,7 @@ def test_continuous_batching_is_an_engine_behind_trls_switch(tmp_path):
 
 def test_prompt_rows_come_as_python_values_whatever_the_dataset_format(tmp_path):
     "Each generation batch's rows are the shuffled chunks of the dataset, as plain Python, even with a numpy format."
-    from grpo_lab.rollout import generation_chunks
+    from grpo_lab.steps import generation_chunks
     data = arithmetic_task(16, seed=3)
     trainer = GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path), train_dataset=data.with_format("numpy"))
     batches = [rows for rows, _ in tr._epoch_chunks(trainer, epoch=1, start=0)]

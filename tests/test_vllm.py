@@ -131,7 +131,7 @@ def _settings(tok, temperature=1.0, max_new_tokens=16):
 
 
 def _rows(g):
-    from grpo_lab.rollout import generation_rows
+    from grpo_lab.steps import generation_rows
     return generation_rows(CHAT, g)
 
 
