@@ -12,14 +12,16 @@ from itertools import islice
 from typing import Iterator
 
 import torch
+from datasets import IterableDataset
+from torch.utils.data import DataLoader
 
 from .loss import high_entropy_mask
 from .rollout import Rollout
 
 # %% auto 0
 __all__ = ['Position', 'MicroStep', 'advance', 'micro_batches', 'rollout_micro_steps', 'generation_chunks', 'expand_groups',
-           'process_rows', 'generation_rows', 'stream_chunks', 'check_stream_length', 'epoch_chunks', 'absolute',
-           'AdaptiveEntropy', 'EntropyWindow']
+           'process_rows', 'generation_rows', 'stream_chunks', 'check_stream_length', 'StreamBatches', 'row_loader',
+           'epoch_chunks', 'absolute', 'AdaptiveEntropy', 'EntropyWindow']
 
 # %% ../nbs/06g_steps.ipynb
 @dataclass
@@ -125,6 +127,28 @@ def check_stream_length(streaming: bool, max_steps: int) -> None:
         raise ValueError(f"train_dataset is a stream (datasets.IterableDataset) and max_steps={max_steps}: a stream has "
                          "no length, so num_train_epochs cannot say how many steps to train; set max_steps to the "
                          "number of optimizer steps (e.g. max_steps=500).")
+
+# %% ../nbs/06g_steps.ipynb
+class StreamBatches(torch.utils.data.IterableDataset):
+    "A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."
+    def __init__(self, rows, prompts: int, G: int, accelerator):
+        self.rows, self.prompts, self.G, self.acc = rows, prompts, G, accelerator
+
+    def __iter__(self):
+        rows = iter(self.rows)
+        while chunk := list(islice(rows, self.prompts)):
+            yield generation_rows(chunk, self.G, self.acc.num_processes, self.acc.process_index)[0]
+
+
+def row_loader(dataset, chunks: list[list[int]] | None, prompts: int, G: int, accelerator,
+               num_workers: int = 0) -> DataLoader:
+    "A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."
+    if isinstance(dataset, IterableDataset):     # one worker: several would each read the stream and split groups
+        return DataLoader(StreamBatches(dataset, prompts, G, accelerator), batch_size=None, num_workers=0)
+    mine = lambda chunk: expand_groups(list(chunk), G)[process_rows(len(chunk) * G, accelerator.num_processes,
+                                                                      accelerator.process_index)]
+    plain = dataset.with_format(None) if dataset.format["type"] else dataset
+    return DataLoader(plain, batch_sampler=[mine(c) for c in chunks], collate_fn=list, num_workers=num_workers)
 
 # %% ../nbs/06g_steps.ipynb
 def epoch_chunks(dataset, streaming: bool, unique: int, seed: int, shuffle: bool, epoch: int,

@@ -44,7 +44,7 @@ from .rollout import (Completions, SamplingSettings, ContinuousBatchingEngine, G
                               length_metrics)
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks,
-                            expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps)
+                            expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader)
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -725,36 +725,14 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     return loss.item()
 
 # %% ../nbs/06_trainer.ipynb
-class _StreamBatches(torch.utils.data.IterableDataset):
-    "A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."
-    def __init__(self, rows, prompts: int, G: int, accelerator):
-        self.rows, self.prompts, self.G, self.acc = rows, prompts, G, accelerator
-
-    def __iter__(self):
-        rows = iter(self.rows)
-        while chunk := list(islice(rows, self.prompts)):
-            yield generation_rows(chunk, self.G, self.acc.num_processes, self.acc.process_index)[0]
-
-
-def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, prompts: int, G: int) -> DataLoader:
-    "A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."
-    acc = trainer.accelerator
-    if isinstance(dataset, IterableDataset):     # one worker: several would each read the stream and split groups
-        return DataLoader(_StreamBatches(dataset, prompts, G, acc), batch_size=None, num_workers=0)
-    mine = lambda chunk: expand_groups(list(chunk), G)[process_rows(len(chunk) * G, acc.num_processes,
-                                                                      acc.process_index)]
-    plain = dataset.with_format(None) if dataset.format["type"] else dataset
-    return DataLoader(plain, batch_sampler=[mine(c) for c in chunks], collate_fn=list,
-                      num_workers=trainer.args.dataloader_num_workers)
-
-
 @patch
 def get_train_dataloader(self: GRPOTrainer) -> DataLoader:
     "The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."
     unique, (seed, shuffle) = self.plan.unique_prompts_per_generation, _data_order(self.args)
     chunks = None if self.streaming else generation_chunks(len(self.train_dataset), unique, seed, int(self.state.epoch),
                                                            shuffle=shuffle)
-    return _row_loader(self, self.train_dataset, chunks, unique, self.args.num_generations)
+    return row_loader(self.train_dataset, chunks, unique, self.args.num_generations, self.accelerator,
+                      self.args.dataloader_num_workers)
 
 
 @patch
@@ -773,7 +751,7 @@ def get_eval_dataloader(self: GRPOTrainer, eval_dataset=None) -> DataLoader:
     G, prompts = _eval_batching(self)
     chunks = None if isinstance(dataset, IterableDataset) else \
         [range(s, min(s + prompts, len(dataset))) for s in range(0, len(dataset), prompts)]
-    return _row_loader(self, dataset, chunks, prompts, G)
+    return row_loader(dataset, chunks, prompts, G, self.accelerator, self.args.dataloader_num_workers)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -29,7 +29,7 @@ from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
 from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, length_metrics
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps
+from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -336,17 +336,4 @@ def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
 
 def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     """The training loss of an evaluation batch as one micro-batch: on-policy (ratio 1), KL to the reference if beta > 0."""
-    ...
-
-class _StreamBatches(torch.utils.data.IterableDataset):
-    """A stream's batches of `prompts` rows in order, each prompt repeated `G` times, this process's share of each."""
-
-    def __init__(self, rows, prompts: int, G: int, accelerator):
-        ...
-
-    def __iter__(self):
-        ...
-
-def _row_loader(trainer: GRPOTrainer, dataset, chunks: list[list[int]] | None, prompts: int, G: int) -> DataLoader:
-    """A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."""
     ...
