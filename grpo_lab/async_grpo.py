@@ -12,6 +12,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,19 +27,23 @@ from .rollout import Completions, GenerateEngine
 from .steps import Position, generation_rows
 from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
 from .widgets import Explorer, fmt, html_table, picture, text_table, widgets
-from .vllm_engine import importance_sampling_weights, is_clip_max
+from .vllm_engine import VLLMServerEngine, importance_sampling_weights, is_clip_max, policy_weights
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
-           'WorkerResult', 'worker_main', 'AsyncWorkerError', 'AsyncWorker', 'correct_off_policy', 'AsyncGRPOTrainer',
-           'plot_timeline', 'run_record', 'staleness_png', 'StalenessExplorer']
+           'WorkerResult', 'worker_main', 'server_worker_main', 'AsyncWorkerError', 'AsyncWorker', 'ServerWorker',
+           'correct_off_policy', 'AsyncGRPOTrainer', 'plot_timeline', 'run_record', 'staleness_png',
+           'StalenessExplorer']
 
 # %% ../nbs/06l_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
     "remove_unused_columns": "grpo-lab passes every dataset column to the reward functions, so it keeps False "
         "(TRL's async trainer defaults to True); True is refused as in GRPOConfig",
+    "vllm_server_base_url": "None (grpo-lab's default) generates in a local worker process with the `generate` "
+        "engine, so that a machine without vLLM can run the async trainer; a URL (TRL's default is "
+        "'http://localhost:8000') samples from the `grpo-lab vllm-serve` server there, as TRL's trainer always does",
 }
 
 ASYNC_REFUSED = {
@@ -47,10 +52,9 @@ ASYNC_REFUSED = {
     "fork_threshold_tokens": "it only shapes multi-turn tool conversations, which the async trainer does not run; "
         "leave it at 1024",
     "max_tool_calling_iterations": "the async trainer runs no tool loop; use GRPOTrainer for tools",
-    "use_vllm": "the async trainer generates in its own worker process (the vLLM server worker is not built yet); "
-        "leave use_vllm=False",
-    "vllm_server_base_url": "the vLLM server worker is not built yet: generation runs in a local worker process "
-        "with the `generate` engine; leave the default",
+    "use_vllm": "use_vllm is GRPOTrainer's switch; the async trainer samples from a vLLM server when "
+        "vllm_server_base_url names one: start `grpo-lab vllm-serve --model <folder>` and set "
+        "vllm_server_base_url='http://127.0.0.1:8000', leaving use_vllm=False",
 }
 
 # %% ../nbs/06l_async.ipynb
@@ -58,9 +62,10 @@ ASYNC_REFUSED = {
 class AsyncGRPOConfig(GRPOConfig):
     """`GRPOConfig` with TRL 1.16's async fields and defaults (`trl.experimental.async_grpo.AsyncGRPOConfig`).
 
-    Differences on purpose: the worker is a local process running the `generate` engine (another
-    `vllm_server_base_url` is refused; `request_timeout` bounds one batch of the worker, `weight_sync_timeout` one
-    weight push, `vllm_server_timeout` the worker's start);
+    Differences on purpose: `vllm_server_base_url=None` (grpo-lab's default) runs the worker as a local process with
+    the `generate` engine; a URL makes it a thread that samples from `grpo-lab vllm-serve` there (TRL's trainer always
+    uses a server, at 'http://localhost:8000' by default). `request_timeout` bounds one batch of the worker,
+    `weight_sync_timeout` one weight push, `vllm_server_timeout` the worker's start (or the server's first answer);
     `max_inflight_tasks` and `queue_maxsize` count samples as in TRL but are rounded up to whole generation batches,
     grpo-lab's unit of work; `dtype` is honoured through `model_init_kwargs` (where that names no dtype); the fields of
     `ASYNC_REFUSED` raise, and `ASYNC_DEFAULTS_DIFFER` lists the defaults that are grpo-lab's own."""
@@ -74,7 +79,7 @@ class AsyncGRPOConfig(GRPOConfig):
     # multi-turn reconciliation (refused unless left alone)
     fork_threshold_tokens: int = 1024
     # the generation server
-    vllm_server_base_url: str | None = "http://localhost:8000"
+    vllm_server_base_url: str | None = None   # TRL: "http://localhost:8000" (ASYNC_DEFAULTS_DIFFER)
     request_timeout: int = 600
     weight_sync_timeout: int = 1800
     token_budget: int | None = None
@@ -98,8 +103,7 @@ def _refuse_async(cfg) -> None:
     changed = {"token_budget": cfg.token_budget is not None and cfg.token_budget > 0,
                "fork_threshold_tokens": cfg.fork_threshold_tokens != 1024,
                "max_tool_calling_iterations": cfg.max_tool_calling_iterations is not None,
-               "use_vllm": bool(cfg.use_vllm),
-               "vllm_server_base_url": cfg.vllm_server_base_url != "http://localhost:8000"}
+               "use_vllm": bool(cfg.use_vllm)}
     for name, reason in ASYNC_REFUSED.items():
         if changed[name]:
             raise ValueError(f"{name}={getattr(cfg, name)!r} is not supported by AsyncGRPOTrainer: {reason}.")
@@ -185,7 +189,7 @@ def _put(q, item, ch: _Channels) -> bool:
     return False
 
 
-def _load_newest_weights(policy, ch: _Channels, at_least: int) -> None:
+def _load_newest_weights(sampler, ch: _Channels, at_least: int) -> None:
     "Load the newest weights the trainer pushed, waiting until the worker holds version `at_least` or newer."
     while True:
         newest = None
@@ -196,7 +200,7 @@ def _load_newest_weights(policy, ch: _Channels, at_least: int) -> None:
                 break
         if newest is not None:
             version, state = newest
-            policy.load_state_dict(state, strict=False)
+            sampler.load(version, state)
             ch.version.value = version
         if ch.version.value >= at_least or ch.stop.is_set():
             return
@@ -204,31 +208,52 @@ def _load_newest_weights(policy, ch: _Channels, at_least: int) -> None:
         time.sleep(0.01)
 
 # %% ../nbs/06l_async.ipynb
-@torch.no_grad()
-def _sample(policy, engine: GenerateEngine, task, settings, ch: _Channels) -> WorkerResult:
-    "Generate one task's completions and the worker's own log-probs of them."
+class _PolicySampler:
+    "The local worker's sampling: its own copy of the policy and the `generate` engine, which gives no log-probs."
+    def __init__(self, policy, engine: GenerateEngine):
+        self.policy, self.engine = policy, engine
+
+    def load(self, version: int, state: dict) -> None:
+        self.policy.load_state_dict(state, strict=False)
+
+    @torch.no_grad()
+    def sample(self, rows, group, settings, version: int) -> Completions:
+        "The completions and the worker's own log-probs of them (the sampler's log-probs of TRL's correction)."
+        out = self.engine.generate(rows, group, self.policy, settings, version)
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+        mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+        out.sampling_logps, _ = completion_logps(self.policy, ids, mask, out.completion_ids.size(1),
+                                                 temperature=settings.temperature)
+        return out
+
+
+class _ServerSampler:
+    "The server worker's sampling: weights and requests go to `grpo-lab vllm-serve`, which returns its log-probs."
+    def __init__(self, engine: VLLMServerEngine):
+        self.engine = engine
+
+    def load(self, version: int, state: dict) -> None:
+        start = time.perf_counter()
+        self.engine.push(state)                      # with the server's token
+        self.engine.synced_step, self.engine.weight_sync_seconds = version, time.perf_counter() - start
+
+    def sample(self, rows, group, settings, version: int) -> Completions:
+        return self.engine.generate(rows, group, None, settings, version)   # version is synced: nothing pushed here
+
+
+def _sample(sampler, task, settings, ch: _Channels) -> WorkerResult:
+    "Load the weights the task asks for (or newer), then sample its completions."
     index, rows, group, at_least = task
-    _load_newest_weights(policy, ch, at_least)
+    _load_newest_weights(sampler, ch, at_least)
     started = time.time()
     ch.busy_since.value = started
-    out = engine.generate(rows, group, policy, settings, ch.version.value)
-    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
-    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
-    out.sampling_logps, _ = completion_logps(policy, ids, mask, out.completion_ids.size(1),
-                                             temperature=settings.temperature)
+    out = sampler.sample(rows, group, settings, ch.version.value)
     ch.busy_since.value = 0.0
     return WorkerResult(index, ch.version.value, out, started, time.time())
 
 
-def worker_main(recipe, tokenizer, settings, ch: _Channels, threads: int, seed: int) -> None:
-    "The worker process: build the policy from `(class, config, weights)`, then load pushed weights, sample the next "    "task and queue the result, until stopped."
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    cls, config, state = recipe
-    policy = cls(config)
-    policy.load_state_dict(state)
-    policy.eval()
-    engine = GenerateEngine(tokenizer)
+def _serve_tasks(sampler, settings, ch: _Channels) -> None:
+    "The worker's loop: take the next task, sample it, queue the result, until stopped; a failure goes to `ch.errors`."
     ch.heartbeat.value = time.time()
     ch.ready.set()
     try:
@@ -238,13 +263,33 @@ def worker_main(recipe, tokenizer, settings, ch: _Channels, threads: int, seed: 
                 task = ch.tasks.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if task is None or not _put(ch.results, _sample(policy, engine, task, settings, ch), ch):
+            if task is None or not _put(ch.results, _sample(sampler, task, settings, ch), ch):
                 break
     except BaseException as error:
         ch.errors.put(f"{type(error).__name__}: {error}")
         raise
+
+
+def worker_main(recipe, tokenizer, settings, ch: _Channels, threads: int, seed: int) -> None:
+    "The local worker process: build the policy from `(class, config, weights)`, then serve tasks until stopped."
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    cls, config, state = recipe
+    policy = cls(config)
+    policy.load_state_dict(state)
+    policy.eval()
+    try:
+        _serve_tasks(_PolicySampler(policy, GenerateEngine(tokenizer)), settings, ch)
     finally:
         ch.results.cancel_join_thread()
+
+
+def server_worker_main(engine: VLLMServerEngine, settings, ch: _Channels) -> None:
+    "The server worker thread: serve tasks through the server until stopped (a failure is already on `ch.errors`)."
+    try:
+        _serve_tasks(_ServerSampler(engine), settings, ch)
+    except BaseException:
+        pass
 
 # %% ../nbs/06l_async.ipynb
 class AsyncWorkerError(RuntimeError):
@@ -279,6 +324,9 @@ class AsyncWorker:
         self.submitted = 0              # tasks handed out
         self._wait_ready(args.vllm_server_timeout)
 
+    def _who(self) -> str:
+        return f"(pid {self.process.pid}) exited with code {self.process.exitcode}"
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
         while not self.ch.ready.wait(0.2):
@@ -296,10 +344,9 @@ class AsyncWorker:
         except queue.Empty:
             failure = None
         if failure is not None:
-            raise AsyncWorkerError(f"the generation worker failed with {failure}.")
+            raise AsyncWorkerError(f"the generation worker failed with {failure.rstrip('.?!')}.")
         if not self.process.is_alive():
-            raise AsyncWorkerError(f"the generation worker (pid {self.process.pid}) exited with code "
-                                   f"{self.process.exitcode} before it delivered its batch.")
+            raise AsyncWorkerError(f"the generation worker {self._who()} before it delivered its batch.")
         busy = ch.busy_since.value
         if busy and now - busy > args.request_timeout:
             raise AsyncWorkerError(f"the generation worker spent {now - busy:.0f}s on one batch, more than "
@@ -353,10 +400,40 @@ class AsyncWorker:
             except (queue.Empty, OSError, EOFError):
                 break
         self.process.join(timeout=5)
-        if self.process.is_alive():
+        if self.process.is_alive() and hasattr(self.process, "kill"):   # a thread finishes its request and ends
             self.process.kill()
             self.process.join(timeout=5)
         return queued
+
+# %% ../nbs/06l_async.ipynb
+class _Box:
+    "A value shared with a thread (what `multiprocessing.Value` is to a process)."
+    def __init__(self, value):
+        self.value = value
+
+
+class ServerWorker(AsyncWorker):
+    "The worker against `grpo-lab vllm-serve`: a thread that pushes weights to the server and asks it for each batch."
+    def __init__(self, engine: VLLMServerEngine, policy, settings, args: AsyncGRPOConfig, version: int):
+        self.args, self.flight, self.engine = args, flight(args), engine
+        self.ch = _Channels(queue.Queue(), queue.Queue(maxsize=self.flight.queue_batches), queue.Queue(), queue.Queue(),
+                            _Box(-1), _Box(time.time()), _Box(0.0), threading.Event(), threading.Event())
+        self.ch.weights.put((version, _cpu_state(policy_weights(policy))))   # the server may hold anyone's weights
+        self.process = threading.Thread(target=server_worker_main, args=(engine, settings, self.ch), daemon=True,
+                                        name="grpo-lab-async-server-worker")
+        self.process.start()
+        self.pushed, self.submitted = version, 0
+        self._wait_ready(args.vllm_server_timeout)
+
+    def _who(self) -> str:
+        return f"thread for {self.engine.url} stopped"
+
+    def push(self, model, version: int) -> float:
+        "Queue the policy's weights (LoRA merged, vLLM's names) as `version`; the thread sends them before its next batch."
+        start = time.time()
+        self.ch.weights.put((version, _cpu_state(policy_weights(model))))
+        self.pushed = version
+        return time.time() - start
 
 # %% ../nbs/06l_async.ipynb
 @torch.no_grad()
@@ -380,21 +457,27 @@ def correct_off_policy(trainer: GRPOTrainer, rollout) -> dict:
 # %% ../nbs/06l_async.ipynb
 class AsyncGRPOTrainer(GRPOTrainer):
     """TRL 1.16's `AsyncGRPOTrainer` names on grpo-lab's loop: generation in a worker process, stale samples dropped,
-    the rest importance-weighted, weights pushed every `weight_sync_steps`. `worker_threads` is the worker's torch
-    threads (one core each for the worker and the trainer on a 2-core CPU)."""
+    the rest importance-weighted, weights pushed every `weight_sync_steps`. The positional parameters are TRL's, in
+    TRL's order; `tools`, `environment_factory`, `rollout_worker` and `weight_transfer` are refused; GRPOTrainer's
+    other keywords (`eval_dataset`, `lora_r`, ...) pass through. `worker_threads` is the local worker's torch threads
+    (one core each for the worker and the trainer on a 2-core CPU)."""
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, *, worker_threads: int = 1, **kwargs):
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
+                 environment_factory=None, rollout_worker=None, weight_transfer=None, *, worker_threads: int = 1,
+                 **kwargs):
         args = args if args is not None else AsyncGRPOConfig(output_dir="trainer_output")
         if not isinstance(args, AsyncGRPOConfig):
             raise TypeError(f"args is a {type(args).__name__}; AsyncGRPOTrainer needs an AsyncGRPOConfig (it carries "
                             "max_staleness, weight_sync_steps and the other async fields).")
-        for name in ("tools", "environment_factory", "rollout_func", "engine"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{name}= is not supported by AsyncGRPOTrainer: its generation is the worker's "
-                                 "`generate` engine; use GRPOTrainer for tools, environments and custom engines.")
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, peft_config, **kwargs)
+        given = dict(tools=tools, environment_factory=environment_factory, rollout_worker=rollout_worker,
+                     weight_transfer=weight_transfer, rollout_func=kwargs.get("rollout_func"), engine=kwargs.get("engine"))
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(f"{name}= is not supported by AsyncGRPOTrainer: its generation is its own worker "
+                                 "(the `generate` engine, or `grpo-lab vllm-serve` through vllm_server_base_url); use "
+                                 "GRPOTrainer for tools, environments and custom engines.")
+        super().__init__(model, reward_funcs, args, train_dataset, processing_class=processing_class,
+                         callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, **kwargs)
         if self.streaming:
             raise ValueError("a streamed train_dataset is not supported by AsyncGRPOTrainer yet: give a Dataset.")
         self.worker_threads, self.worker, self.timeline = worker_threads, None, []
@@ -486,9 +569,15 @@ def _start_worker(trainer: AsyncGRPOTrainer) -> None:
                        "discarded; the worker starts again from the checkpoint's weights.", step, queued,
                        Path(trainer._last_checkpoint).name)
     trainer.resume_discarded = queued or 0
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    trainer.worker = AsyncWorker(policy, trainer.processing_class, trainer.sampling, trainer.args, step,
-                                 trainer.worker_threads)
+    args, policy = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
+    if args.vllm_server_base_url:
+        engine = VLLMServerEngine(policy, trainer.processing_class, base_url=args.vllm_server_base_url,
+                                  timeout=args.vllm_server_timeout, request_timeout=args.request_timeout,
+                                  push_timeout=args.weight_sync_timeout, device=trainer.accelerator.device)
+        trainer.worker = ServerWorker(engine, policy, trainer.sampling, args, step)
+    else:
+        trainer.worker = AsyncWorker(policy, trainer.processing_class, trainer.sampling, args, step,
+                                     trainer.worker_threads)
     trainer._pending, trainer._carry, trainer._training_since = deque(), {}, trainer._t0
 
 

@@ -303,6 +303,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _discard(self, size: int) -> None:
+        "Read and drop a request body: a client still sending one would not see the answer."
+        while size > 0:
+            chunk = self.rfile.read(min(size, 1 << 20))
+            if not chunk:
+                break
+            size -= len(chunk)
+
     def do_GET(self):
         if self.path == "/health":
             return self._reply(200, {"ok": True})
@@ -312,6 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         if not secrets.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.server.token}"):
+            self._discard(int(self.headers.get("Content-Length", 0)))     # so that the client reads the 401
             return self._reply(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' with "
                                               "the token the server printed and wrote at start"})
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -394,8 +403,10 @@ class VLLMServerEngine(VLLMEngine):
 
     def __init__(self, policy, tokenizer, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                  timeout: float = 240.0, token: str | None = None, token_file: str | Path | None = None,
-                 structured_outputs_regex: str | None = None, device=None):
+                 structured_outputs_regex: str | None = None, device=None, request_timeout: float = 600.0,
+                 push_timeout: float = 600.0):
         super().__init__(tokenizer, structured_outputs_regex, device)
+        self.request_timeout, self.push_timeout = request_timeout, push_timeout   # one batch; one weight push
         host = "127.0.0.1" if host == "0.0.0.0" else host         # TRL's default names the local machine
         self.url = (base_url or f"http://{host}:{port}").rstrip("/")
         self.info = self._wait(timeout)
@@ -404,15 +415,16 @@ class VLLMServerEngine(VLLMEngine):
 
     def push(self, weights: dict[str, torch.Tensor]) -> None:
         "Send the weights as one safetensors payload."
-        self._request("POST", "/weights", _tensors_to_bytes(weights))
+        self._request("POST", "/weights", _tensors_to_bytes(weights), timeout=self.push_timeout)
 
     def sample(self, requests, settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
         "The server's samples of `requests`."
         payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
-        return [tuple(s) for s in self._request("POST", "/generate", json.dumps(payload).encode())["samples"]]
+        answer = self._request("POST", "/generate", json.dumps(payload).encode(), timeout=self.request_timeout)
+        return [tuple(s) for s in answer["samples"]]
 
-    def _request(self, method: str, route: str, body: bytes | None = None, timeout: float = 600.0):
-        "One HTTP call; the JSON answer, or an error that says what the server said."
+    def _request(self, method: str, route: str, body: bytes | None = None, timeout: float = 600.0, wait: bool = False):
+        "One HTTP call; the JSON answer, or an error that says what the server said or that it cannot be reached."
         request = urllib.request.Request(self.url + route, data=body, method=method,
                                          headers={"Authorization": f"Bearer {self.token}"} if method == "POST" else {})
         try:
@@ -420,13 +432,18 @@ class VLLMServerEngine(VLLMEngine):
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"vLLM server {self.url}{route} answered {e.code}: {e.read().decode()[:500]}") from e
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
+            if wait:
+                raise
+            raise ConnectionError(f"cannot reach the vLLM server at {self.url} ({route}: {getattr(e, 'reason', e)}): "
+                                  "is `grpo-lab vllm-serve` still running there?") from e
 
     def _wait(self, timeout: float) -> dict:
         "Wait up to `timeout` seconds for the server; its `/info`."
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._request("GET", "/info", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+                return self._request("GET", "/info", timeout=max(1.0, min(10.0, deadline - time.monotonic())), wait=True)
             except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as e:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"No vLLM server answered at {self.url} within vllm_server_timeout={timeout} s "
@@ -442,7 +459,6 @@ class VLLMServerEngine(VLLMEngine):
         if mine != theirs:
             raise ValueError(f"The vLLM server at {self.url} serves {self.info['model']} ({theirs}), not the policy "
                              f"({mine}): restart it with `grpo-lab vllm-serve --model {_policy_path(policy)}`.")
-
 
 # %% ../nbs/06d_vllm.ipynb
 def vllm_engine_from_config(args, policy, tokenizer, device=None) -> RolloutEngine:

