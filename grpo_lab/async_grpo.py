@@ -27,15 +27,14 @@ from .rollout import Completions, GenerateEngine
 from .steps import Position, generation_rows
 from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
 from .widgets import Explorer, fmt, html_table, picture, text_table, widgets
-from .vllm_engine import VLLMServerEngine, importance_sampling_weights, is_clip_max, policy_weights
+from .vllm_engine import VLLMServerEngine, _vllm_name, merged_weights, policy_weights
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
            'WorkerResult', 'worker_main', 'server_worker_main', 'AsyncWorkerError', 'AsyncWorker', 'ServerWorker',
-           'correct_off_policy', 'AsyncGRPOTrainer', 'plot_timeline', 'run_record', 'staleness_png',
-           'StalenessExplorer']
+           'AsyncGRPOTrainer', 'plot_timeline', 'run_record', 'staleness_png', 'StalenessExplorer']
 
 # %% ../nbs/06l_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -214,7 +213,10 @@ class _PolicySampler:
         self.policy, self.engine = policy, engine
 
     def load(self, version: int, state: dict) -> None:
-        self.policy.load_state_dict(state, strict=False)
+        "Load a push (a part of the weights); a name the worker's model lacks is an error, not a silent skip."
+        unexpected = self.policy.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"version {version} pushed weights the worker's model does not have: {unexpected[:3]}")
 
     @torch.no_grad()
     def sample(self, rows, group, settings, version: int) -> Completions:
@@ -301,6 +303,17 @@ def _plain(policy):
     return copy.deepcopy(policy).merge_and_unload() if hasattr(policy, "merge_and_unload") else policy
 
 
+def _moved_weights(model) -> dict:
+    """What an optimizer step can change, under the plain model's names: the trainable parameters; for a PEFT model
+    each adapted layer's weight with its LoRA merged in (and any trained parameter outside the adapters)."""
+    if not hasattr(model, "peft_config"):
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    from peft.tuners.lora import LoraLayer
+    adapted = {_vllm_name(name) + ".weight" for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    adapted |= {_vllm_name(n) for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    return {k: v for k, v in merged_weights(model).items() if k in adapted}
+
+
 def _cpu_state(state: dict) -> dict:
     "A state dict as CPU copies (what crosses to the worker)."
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
@@ -376,10 +389,7 @@ class AsyncWorker:
     def push(self, model, version: int) -> float:
         "Send the trainable weights as `version`; the worker loads them before its next batch. Returns the seconds taken."
         start = time.time()
-        if hasattr(model, "merge_and_unload"):     # a PEFT model: the worker holds the merged weights
-            state = _cpu_state(_plain(model).state_dict())
-        else:
-            state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+        state = _cpu_state(_moved_weights(model))
         try:
             self.ch.weights.put((version, state), timeout=self.args.weight_sync_timeout)
         except queue.Full:
@@ -436,31 +446,14 @@ class ServerWorker(AsyncWorker):
         return time.time() - start
 
 # %% ../nbs/06l_async.ipynb
-@torch.no_grad()
-def correct_off_policy(trainer: GRPOTrainer, rollout) -> dict:
-    "Fill `old_logps` from the current policy and fold TRL's importance-sampling weights into the advantages."
-    args = trainer.args
-    if rollout.old_logps is None:
-        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
-        mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-        rollout.old_logps, _ = completion_logps(trainer.model, ids, mask, rollout.completion_ids.size(1),
-                                                temperature=args.temperature, batch_size=args.per_device_train_batch_size,
-                                                autocast_dtype=trainer.autocast_dtype)
-    weights, metrics = importance_sampling_weights(rollout.old_logps, rollout.sampling_logps.to(rollout.old_logps),
-                                                   rollout.loss_mask, args.vllm_importance_sampling_mode,
-                                                   args.vllm_importance_sampling_clip_min, is_clip_max(args))
-    if args.vllm_importance_sampling_correction:
-        weighted = rollout.advantages[:, None] * weights.to(rollout.advantages)      # (B, 1) or (B, T)
-        rollout.advantages = weighted.expand_as(rollout.old_logps).contiguous()
-    return metrics
-
-# %% ../nbs/06l_async.ipynb
 class AsyncGRPOTrainer(GRPOTrainer):
     """TRL 1.16's `AsyncGRPOTrainer` names on grpo-lab's loop: generation in a worker process, stale samples dropped,
     the rest importance-weighted, weights pushed every `weight_sync_steps`. The positional parameters are TRL's, in
     TRL's order; `tools`, `environment_factory`, `rollout_worker` and `weight_transfer` are refused; GRPOTrainer's
     other keywords (`eval_dataset`, `lora_r`, ...) pass through. `worker_threads` is the local worker's torch threads
     (one core each for the worker and the trainer on a 2-core CPU)."""
+    samples_elsewhere = True        # the worker's samples are importance-corrected as vLLM's are (06_trainer)
+
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None, rollout_worker=None, weight_transfer=None, *, worker_threads: int = 1,
@@ -507,8 +500,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if ready is None or ready.prompts is not prompts:
             raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
                                "last; call them in that order (as train() does).")
-        rollout = _scored_rollout(self, ready.rows, ready.result.completions)
-        rollout.metrics.update(correct_off_policy(self, rollout))
+        rollout = _scored_rollout(self, ready.rows, ready.result.completions)      # the IS correction: in the loss
         rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
                                 "sample/staleness_max": float(ready.staleness),
                                 "sample/rollout_queue_size": float(_queue_size(self.worker) * len(ready.rows)),

@@ -112,6 +112,7 @@ class GRPOTrainer(TrainerSurface):
     _start_time: float = 0.0
     _first_step: int = 0                          # global_step when this train() began
     _best_pending: bool = False                   # an evaluation found a best metric; the next checkpoint holds it
+    samples_elsewhere: bool = False               # the async trainer's worker samples with older weights (06l)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None = None,
@@ -298,21 +299,23 @@ def _samples(prompts: list[str], scored: Scored, rewards: torch.Tensor, adv: tor
              "advantage": float(adv[i]), **{k: v[i] for k, v in extra.items()}} for i in range(len(prompts))]
 
 # %% ../nbs/06_trainer.ipynb
-def _corrects_sampler(args) -> bool:
-    "True when the engine is not the policy (vLLM) and TRL's importance-sampling correction is on."
-    return args.use_vllm and args.vllm_importance_sampling_correction
+def _corrects_sampler(trainer: GRPOTrainer) -> bool:
+    """True when the sampler is not the policy (vLLM, or the async trainer's worker with older weights) and TRL's
+    importance-sampling correction is on."""
+    args = trainer.args
+    return (args.use_vllm or trainer.samples_elsewhere) and args.vllm_importance_sampling_correction
 
 
 def _needs_old_logps(trainer: GRPOTrainer) -> bool:
     "True when the old log-probs need a forward pass of their own: the policy moves before an update, or has dropout."
     args, plan = trainer.args, trainer.plan
     moves = args.num_iterations > 1 or plan.steps_per_generation > args.gradient_accumulation_steps
-    return moves or (_corrects_sampler(args) and trainer.has_dropout)
+    return moves or (_corrects_sampler(trainer) and trainer.has_dropout)
 
 
 def _old_from_loss(trainer: GRPOTrainer) -> bool:
     "True when the IS correction's old log-probs are the loss forward's own, detached (grpo-lab's saving; TRL: extra pass)."
-    return _corrects_sampler(trainer.args) and not _needs_old_logps(trainer)
+    return _corrects_sampler(trainer) and not _needs_old_logps(trainer)
 
 
 def _sampler_weights(args, rollout: Rollout):
@@ -346,7 +349,7 @@ def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     if _needs_old_logps(trainer):
         rollout.old_logps, _ = completion_logps(trainer.model, input_ids, attention_mask, k, temperature=args.temperature,
                                                 batch_size=bs, autocast_dtype=trainer.autocast_dtype)
-    if _corrects_sampler(args) and rollout.sampling_logps is not None and rollout.old_logps is not None:
+    if _corrects_sampler(trainer) and rollout.sampling_logps is not None and rollout.old_logps is not None:
         rollout.metrics.update(_sampler_weights(args, rollout)[1])
     if args.beta > 0:
         rollout.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model,
@@ -388,7 +391,7 @@ def _micro_batch_loss(trainer: GRPOTrainer, mb: Rollout):
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if trainer.entropy_control is not None:
         trainer.entropy_window.add(entropies.detach(), mask, args.top_entropy_quantile, gathered)
-    corrected = _corrects_sampler(args) and mb.sampling_logps is not None
+    corrected = _corrects_sampler(trainer) and mb.sampling_logps is not None
     if corrected and mb.old_logps is None:       # _old_from_loss: the policy has not moved since sampling
         mb.old_logps = logps.detach()
     sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps

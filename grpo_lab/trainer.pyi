@@ -85,6 +85,7 @@ class GRPOTrainer(TrainerSurface):
     _start_time: float = 0.0
     _first_step: int = 0
     _best_pending: bool = False
+    samples_elsewhere: bool = False
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None, *, lora_r: int | None=None, lora_alpha: int | None=None, lora_dropout: float=0.0, target_modules='all-linear', load_in_4bit: bool=False):
         ...
@@ -212,8 +213,9 @@ def _samples(prompts: list[str], scored: Scored, rewards: torch.Tensor, adv: tor
     """This process's completions as the logs show them: prompt, completion, reward, advantage and `log_extra` columns."""
     ...
 
-def _corrects_sampler(args) -> bool:
-    """True when the engine is not the policy (vLLM) and TRL's importance-sampling correction is on."""
+def _corrects_sampler(trainer: GRPOTrainer) -> bool:
+    """True when the sampler is not the policy (vLLM, or the async trainer's worker with older weights) and TRL's
+    importance-sampling correction is on."""
     ...
 
 def _needs_old_logps(trainer: GRPOTrainer) -> bool:

@@ -114,7 +114,8 @@ def test_every_public_method_of_the_trainer_is_in_the_stub():
     stub = ast.parse(STUB.read_text())
     [cls] = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == CLASS]
     declared = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | \
-        {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets}
+        {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets} | \
+        {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
     public = {name for name in vars(GRPOTrainer) if not name.startswith("_")}
     assert public <= declared, sorted(public - declared)
     assert {"train", "evaluate", "generation_batches", "generate_and_score", "save_checkpoint", "log"} <= declared
