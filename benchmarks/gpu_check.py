@@ -41,7 +41,7 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "data
 
 IN_PROCESS = ("cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "demo")   # the others import torch: a child each
 # name: (budget on a GPU, budget in the dry mode), seconds
-STAGES = {"environment": (25, 30), "cuda_tests": (150, 90), "bench_0.5b_bf16_lora": (60, 60),
+STAGES = {"environment": (25, 30), "cuda_tests": (110, 90), "bench_0.5b_bf16_lora": (100, 60),
           "bench_1.5b_qlora": (90, 60), "t4_rehearsal": (60, 60), "demo": (60, 60)}
 BENCH = {"bench_0.5b_bf16_lora": ["--shape", "qwen2.5-0.5b", "--lora-r", "16"],
          "bench_1.5b_qlora": ["--shape", "qwen2.5-1.5b", "--lora-r", "16", "--load-in-4bit"]}

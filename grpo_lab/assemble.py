@@ -133,9 +133,21 @@ def warn_fp16_without_gpu(args, device) -> None:
                        "use_cpu=True" if args.use_cpu else "no GPU found")
 
 # %% ../nbs/06h_assemble.ipynb
-def check_half_precisions(model, autocast_dtype) -> None:
-    "Refuse bf16 autocast over a 4-bit base whose other weights are float16: two half precisions meet in one op."
+def check_half_precisions(model, autocast_dtype, scales_loss: bool = False) -> None:
+    """Refuse the precision mixes torch cannot train, at construction, with the fix: bf16 autocast over a 4-bit base
+    whose other weights are float16 (two half precisions meet in one op), and fp16's loss scaling (`scales_loss`:
+    accelerate's GradScaler, fp16=True on a GPU) over trainable half-precision weights, whose gradients it cannot
+    unscale. The HF Trainer, and so TRL 1.16, fail on both during the first step."""
     from grpo_lab.models import _is_quantized
+    if scales_loss:
+        half = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                       if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
+        if half:
+            raise ValueError(f"fp16=True scales the loss, and torch's GradScaler cannot unscale {' or '.join(half)} "
+                             "gradients: the trainable weights are in half precision (full fine-tuning of a "
+                             f"{half[0]} model; the HF Trainer and TRL 1.16 stop at the first step here). Load the "
+                             "model in float32 (model_init_kwargs={'dtype': 'float32'}) and keep fp16=True, train a "
+                             "LoRA adapter (its weights are float32), or use bf16=True on a GPU that has bf16.")
     if autocast_dtype is not torch.bfloat16 or not _is_quantized(model):
         return
     if any(p.dtype == torch.float16 for p in model.parameters()):

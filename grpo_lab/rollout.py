@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'render_prompts', 'pad_left', 'pad_right', 'length_mask', 'truncated_rows',
            'tokenize_prompts', 'SamplingSettings', 'generation_config', 'completion_mask', 'prompt_groups',
-           'group_starts', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions', 'Completions',
-           'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout',
+           'group_starts', 'cache_kwarg', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
+           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout',
            'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
@@ -146,6 +146,13 @@ def _can_share_prefill(model, gen_config: GenerationConfig, prompt_ids: torch.Te
             and not getattr(model.config, "is_encoder_decoder", False))
 
 # %% ../nbs/06b_rollout.ipynb
+def cache_kwarg(model) -> str:
+    """The name a model's forward (and `generate`) takes a KV cache by: `cache` since transformers renamed it (5.2x),
+    `past_key_values` before (Colab and other preinstalled transformers 5.x still use it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                             group: torch.Tensor | None = None) -> DynamicCache | None:
@@ -161,7 +168,7 @@ def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     if "position_ids" in accepts:     # as generate numbers a left-padded row: from its first real token
         extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=base.config)
-    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **extra)   # `cache`: transformers' name
+    model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache}, **extra)
     cache.batch_select_indices(starts.long().cumsum(0) - 1)      # one copy of its group's cache per row
     return cache
 
@@ -200,7 +207,7 @@ def sample_completions(model, prompt_ids, prompt_mask, gen_config: GenerationCon
     cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask, group) \
         if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         **({} if cache is None else {"cache": cache}))
+                         **({} if cache is None else {cache_kwarg(model): cache}))
     model.train(was_training)
     completion_ids = out[:, prompt_ids.size(1):]
     mask, truncated = completion_mask(completion_ids, eos_ids)

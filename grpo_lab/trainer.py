@@ -146,7 +146,7 @@ class GRPOTrainer(TrainerSurface):
         model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
                                                   lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                   target_modules=target_modules, load_in_4bit=load_in_4bit)
-        check_half_precisions(model, self.autocast_dtype)
+        check_half_precisions(model, self.autocast_dtype, scales_loss=self.accelerator.scaler is not None)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)
         _name_tools(self, self.engine)

@@ -79,6 +79,11 @@ def trainable(model) -> dict:
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+# Rows grpo-lab refuses at construction (with the fix), where the HF Trainer and so TRL stop during the first step:
+# fp16's GradScaler cannot unscale half-precision gradients (full fine-tuning of fp16 or bf16 weights; on a CPU there
+# is no scaler and they train), and bf16 autocast cannot mix with a 4-bit base's float16 weights. Value: in the message.
+REFUSED_ROWS = {("fp16", "fp16", "full"): "GradScaler cannot unscale float16", ("bf16", "fp16", "full"):
+                "GradScaler cannot unscale bfloat16", ("fp16", "bf16", "qlora"): "float16"}
 ROWS = [(d, m, mode, beta) for d in DTYPES for m in ("bf16", "fp16") for mode in MODES for beta in (0.0, 0.04)]
 ROW_IDS = [f"{d}-weights-{m}-mixed-{mode}-beta{beta:g}" for d, m, mode, beta in ROWS]
 
@@ -120,12 +125,13 @@ def test_precision_row_trains(model_dtype, mixed, mode, beta, tmp_path, request)
     from grpo_lab import GRPOTrainer
     from grpo_lab.data import arithmetic_task
     args = row_config(tmp_path, mixed, mode, beta, model_init_kwargs={"dtype": str(DTYPES[model_dtype]).split(".")[1]})
-    may_refuse = (model_dtype, mixed, mode) == ("fp16", "fp16", "full")
+    refusal = REFUSED_ROWS.get((model_dtype, mixed, mode))
     try:
         trainer = GRPOTrainer(TINY, answer_and_length, args=args, train_dataset=arithmetic_task(64), **row_shortcuts(mode))
     except ValueError as e:
-        assert may_refuse and ("fp16" in str(e).lower() or "float16" in str(e).lower()), e
+        assert refusal and refusal in str(e), e
         return
+    assert refusal is None or DEVICE.type == "cpu", f"{refusal}: expected a refusal at construction on {DEVICE}"
     before = trainable(trainer.model)
     assert before and all(p.device.type == DEVICE.type for p in trainer.model.parameters())
     trainer.train()
@@ -189,10 +195,9 @@ def test_precision_row_matches_trl(model_dtype, mixed, mode, beta, tmp_path, req
         pytest.importorskip("bitsandbytes", reason="4-bit rows need bitsandbytes")
     if mixed == "fp16":
         request.getfixturevalue("t4")
-    if (model_dtype, mixed, mode) == ("fp16", "fp16", "full"):
-        pytest.skip("full fine-tuning of fp16 weights under fp16 mixed precision: the HF Trainer (and so TRL) stops "
-                    "with 'Attempting to unscale FP16 gradients'; nothing to compare (test_precision_row_trains "
-                    "checks grpo-lab's behaviour)")
+    if (model_dtype, mixed, mode) in REFUSED_ROWS:
+        pytest.skip("a row grpo-lab refuses at construction and the HF Trainer (and so TRL) stops on in its first step; "
+                    "nothing to compare (test_precision_row_trains checks the refusal)")
     from transformers import AutoTokenizer
     from grpo_lab import GRPOConfig, GRPOTrainer
     from grpo_lab.data import arithmetic_task
@@ -219,7 +224,10 @@ def test_precision_row_matches_trl(model_dtype, mixed, mode, beta, tmp_path, req
         return out
 
     their_trainer._generate = recording
-    their_trainer.train()
+    try:
+        their_trainer.train()
+    except (NotImplementedError, ValueError, RuntimeError) as e:     # seen on an H200: GradScaler and bf16 adapters
+        pytest.skip(f"TRL 1.16 itself stops on this row ({type(e).__name__}: {str(e)[:200]}); nothing to compare")
     theirs = [h for h in their_trainer.state.log_history if "loss" in h and "train_runtime" not in h]
 
     tokenizer = AutoTokenizer.from_pretrained(TINY)

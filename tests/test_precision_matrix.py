@@ -261,3 +261,25 @@ def test_a_trained_adapter_is_its_own_reference(tmp_path):
     reference = {n: p for n, p in model.named_parameters() if "lora_B.ref" in n}
     for name, weight in trained.items():       # the reference stayed where training started
         torch.testing.assert_close(reference[name.replace(".default.", ".ref.")], weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_loss_scaling_over_half_precision_weights_is_refused_with_the_fix(dtype):
+    """fp16=True on a GPU scales the loss with a GradScaler, which cannot unscale float16 or bfloat16 gradients (seen
+    on an H200: both stop the first step, in the HF Trainer and TRL too). The check the trainer runs at construction,
+    with the scaler a GPU would have: full fine-tuning of a half model is refused naming the dtype and the fixes; a
+    float32 model, or a frozen half model with float32 trainable weights, passes."""
+    from transformers import AutoModelForCausalLM
+    from grpo_lab.assemble import check_half_precisions
+    from grpo_lab.models import tiny_model_path
+    half = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"^fp16=True scales the loss, and torch's GradScaler cannot unscale {name} "
+                                         r"gradients: .*float32.*LoRA.*bf16=True"):
+        check_half_precisions(half, torch.float16, scales_loss=True)
+    check_half_precisions(half, torch.float16, scales_loss=False)            # a CPU: no scaler, it trains
+    for p in half.parameters():
+        p.requires_grad_(False)
+    half.get_output_embeddings().float().requires_grad_(True)
+    check_half_precisions(half, torch.float16, scales_loss=True)
+    check_half_precisions(AutoModelForCausalLM.from_pretrained(tiny_model_path()), torch.float16, scales_loss=True)

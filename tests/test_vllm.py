@@ -394,6 +394,32 @@ def test_use_vllm_without_vllm_says_how_to_install(tmp_path):
                     train_dataset=[{"prompt": "1+1="}] * 2)
 
 
+# --- transformers before the `cache` rename -------------------------------------------------------------------------
+
+def test_shared_prefill_hands_generate_the_cache_under_this_transformers_name():
+    """The shared prefill passes its KV cache to the model and to `generate` by the name this transformers takes:
+    `cache` since the rename, `past_key_values` before (this vLLM venv has transformers 5.19; the GPU image had 5.17,
+    where `cache=` stopped generation). Greedy completions equal plain generate's. Runs in both test venvs."""
+    import inspect
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from grpo_lab.models import eos_token_ids, tiny_model_path
+    from grpo_lab.rollout import cache_kwarg, prefill_once_per_prompt, sample_completions, tokenize_prompts
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    takes = inspect.signature(model.forward).parameters
+    assert cache_kwarg(model) == ("cache" if "cache" in takes else "past_key_values"), transformers.__version__
+    prompts = [p for p in ("12+34=", "7+5=", "40-13=") for _ in range(4)]
+    ids, mask, _ = tokenize_prompts(tokenizer, prompts)
+    group = torch.arange(3).repeat_interleave(4)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_token_ids(model, tokenizer))
+    assert prefill_once_per_prompt(model, ids, mask, group) is not None      # the shared path really runs
+    plain = sample_completions(model, ids, mask, config, eos_token_ids(model, tokenizer), False, group)
+    shared = sample_completions(model, ids, mask, config, eos_token_ids(model, tokenizer), True, group)
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared)) and plain[1].sum() > 0
+
+
 # --- async GRPO through the server (issue 32); the last test kills the module's server, so these stay at the end -----
 
 def _async_trainer(folder, output_dir, port, callbacks=None, **overrides):
