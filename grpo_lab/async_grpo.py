@@ -451,7 +451,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
     the rest importance-weighted, weights pushed every `weight_sync_steps`. The positional parameters are TRL's, in
     TRL's order; `tools`, `environment_factory`, `rollout_worker` and `weight_transfer` are refused; GRPOTrainer's
     other keywords (`eval_dataset`, `lora_r`, ...) pass through. `worker_threads` is the local worker's torch threads
-    (one core each for the worker and the trainer on a 2-core CPU)."""
+    (one core each for the worker and the trainer on a 2-core CPU).
+
+    Differs from TRL on purpose: the rewards are computed by the trainer when it takes a batch (TRL's worker scores as
+    it goes), so that a reward function defined in a notebook, which a spawned process cannot import, still works;
+    scoring was not the bottleneck of any measured run (BENCHMARKS.md)."""
     samples_elsewhere = True        # the worker's samples are importance-corrected as vLLM's are (06_trainer)
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
