@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # `#| vllm` cells need vLLM (a second virtual environment: see tests/test_vllm.py); they run where it imports
 SKIP_FLAGS = {"slow", "gpu", "hub"} | (set() if importlib.util.find_spec("vllm") else {"vllm"})
-MAX_TEXT = 4000              # characters kept of one text output
+MAX_TEXT = 4000              # characters kept of one text output: its start and its end (results come last)
+HEAD_TEXT = 1000             # of which the start
 MAX_NOTEBOOK_BYTES = 1_500_000
 
 
@@ -60,6 +61,16 @@ def _shrink_png(data: str) -> str:
     return small if len(small) < len(data) else data
 
 
+def shorten(text: str) -> str:
+    """At most about MAX_TEXT characters of `text`: its first HEAD_TEXT and its last ones, with a line saying how much
+    was left out between them. A training cell's result (held-out accuracy after a run) is printed last: keeping only
+    the head would cut it off under the run's logs."""
+    if len(text) <= MAX_TEXT:
+        return text
+    head, tail = text[:HEAD_TEXT], text[-(MAX_TEXT - HEAD_TEXT):]
+    return f"{head}\n[... {len(text) - len(head) - len(tail)} characters left out ...]\n{tail}"
+
+
 def clean_outputs(outputs: list) -> list:
     "Keep what a reader needs: no stderr, text cut to MAX_TEXT characters, images compressed, no widget state."
     kept = []
@@ -69,12 +80,12 @@ def clean_outputs(outputs: list) -> list:
             continue
         if out.get("output_type") == "stream":
             text = "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
-            out["text"] = text[:MAX_TEXT]
+            out["text"] = shorten(text)
         if "data" in out:
             data = {k: v for k, v in out["data"].items() if not k.startswith("application/vnd.jupyter.widget")}
             for k, v in data.items():
                 text = "".join(v) if isinstance(v, list) else v
-                data[k] = _shrink_png(text) if k == "image/png" else text[:MAX_TEXT] if k.startswith("text/") else v
+                data[k] = _shrink_png(text) if k == "image/png" else shorten(text) if k.startswith("text/") else v
             out["data"] = data
             out["metadata"] = {}
             if out["output_type"] == "execute_result":

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, bin_path
-from notebook_runner import MAX_NOTEBOOK_BYTES
+from notebook_runner import MAX_NOTEBOOK_BYTES, MAX_TEXT, clean_outputs
 
 NOTEBOOKS = sorted(p.relative_to(ROOT / "nbs").as_posix() for p in (ROOT / "nbs").rglob("*.ipynb")
                    if ".ipynb_checkpoints" not in p.parts and not p.name.startswith("_"))
@@ -32,6 +32,15 @@ def test_notebook_runs_and_its_stored_outputs_are_current(nb):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{nb}:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}\n" \
         f"(store fresh outputs with: python tests/notebook_runner.py --store nbs/{nb})"
+
+
+def test_a_long_stored_output_keeps_its_end():
+    "A training cell prints its logs, then its result: the stored output keeps the result, not only the logs' head."
+    logs = "".join(f"{{'loss': '0.{i:03d}', 'reward': '0.5'}}\n" for i in range(400))
+    result = "held-out greedy accuracy: 22.0% -> 41.5% (+19.5 points) after 100 steps\n"
+    (kept,) = clean_outputs([{"output_type": "stream", "name": "stdout", "text": logs + result}])
+    assert kept["text"].endswith(result) and kept["text"].startswith("{'loss': '0.000'")
+    assert len(kept["text"]) <= MAX_TEXT + 100 and "characters left out" in kept["text"]
 
 
 DEV_ONLY = re.compile(r"^\s*(import|from)\s+(pytest|hypothesis|nbdev|execnb|nbformat)\b", re.M)
