@@ -118,6 +118,67 @@ def settings_requirements(root: Path = ROOT) -> list[str]:
     return cfg["DEFAULT"]["requirements"].split()
 
 
+def plain_install_modules(root: Path = ROOT) -> set[str]:
+    """The top-level modules a plain `pip install grpo-lab` on Colab can import: the standard library, grpo_lab, and the
+    packages of settings.ini's runtime requirements with their own requirements (no extras), read from the installed
+    distributions' metadata; plus what Colab always has that a notebook may test for (google.colab)."""
+    import importlib.metadata as metadata
+    from packaging.requirements import Requirement
+    by_distribution: dict[str, set[str]] = {}
+    for module, distributions in metadata.packages_distributions().items():
+        for name in distributions:
+            by_distribution.setdefault(_canonical(name), set()).add(module)
+    seen, todo = set(), [Requirement(r) for r in settings_requirements(root)]
+    while todo:
+        requirement = todo.pop()
+        name = _canonical(requirement.name)
+        if name in seen or (requirement.marker is not None and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo += [Requirement(r) for r in metadata.requires(name) or []]
+        except metadata.PackageNotFoundError:
+            continue                          # not installed here: its name is still allowed below
+    modules = {m for name in seen for m in by_distribution.get(name, {name.replace("-", "_")})}
+    return modules | set(sys.stdlib_module_names) | {"grpo_lab", "google"}
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def unguarded_imports(notebook: Path, allowed: set[str]) -> list[str]:
+    """`cell N: module` for each import of a module outside `allowed` that a code cell runs as it is executed: not
+    under an `if` or a `try` (the guards a notebook uses for optional packages) and not in a function's body (a
+    library function may need an extra, e.g. `bench`'s TRL, and says so). Every code cell counts, flagged or not:
+    on Colab a learner runs them all."""
+    import ast
+    cells = json.loads(notebook.read_text())["cells"]
+    found = []
+    for number, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        code = "\n".join("" if line.startswith(("%", "!")) else line for line in lines)
+        for module in _imports(ast.parse(code), guarded=False):
+            if module not in allowed:
+                found.append(f"cell {number}: {module}")
+    return found
+
+
+def _imports(node, guarded: bool):
+    "The top-level names of the modules imported under `node` without an `if` or `try` around them."
+    import ast
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import) and not guarded:
+            yield from (alias.name.split(".")[0] for alias in child.names)
+        elif isinstance(child, ast.ImportFrom) and not guarded and not child.level:
+            yield child.module.split(".")[0]
+        else:
+            yield from _imports(child, guarded or isinstance(child, (ast.If, ast.Try, ast.IfExp, ast.FunctionDef,
+                                                                     ast.AsyncFunctionDef, ast.Lambda)))
+
+
 def fake_colab(into: Path) -> Path:
     "A folder holding a stand-in `google.colab` package (no google/__init__.py: `google` stays a namespace)."
     package = into / "google" / "colab"

@@ -36,12 +36,17 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
            'warn_fp16_without_gpu', 'check_half_precisions', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer',
-           'seed_process', 'completion_room', 'Callbacks', 'make_callbacks', 'check_sources', 'routes_only',
-           'build_scoring', 'build_update', 'build_bookkeeping']
+           'seed_process', 'completion_room', 'missing_trackers', 'check_trackers', 'Callbacks', 'make_callbacks',
+           'check_sources', 'routes_only', 'build_scoring', 'build_update', 'build_bookkeeping']
 
 # %% ../nbs/06h_assemble.ipynb
 def check_output_dir(output_dir) -> None:
     "Fail at construction, not after the first steps, when output_dir cannot be written."
+    if not str(output_dir).strip():     # Path('') is the current folder
+        raise ValueError(f"output_dir={str(output_dir)!r} names no folder: checkpoints and metrics.jsonl would be "
+                         "written into the current folder, among your files (TRL 1.16 stops with FileNotFoundError); "
+                         "give a folder such as output_dir='runs/first', or leave output_dir out for TRL's default "
+                         "'trainer_output'.")
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"output_dir={str(path)!r} is a file; give a folder path for checkpoints and logs.")
@@ -240,6 +245,32 @@ def completion_room(args, model, tokenizer, dataset, streaming: bool) -> int:
     return min(args.max_completion_length, room)
 
 # %% ../nbs/06h_assemble.ipynb
+# transformers' availability function where it is not named `is_<report_to name>_available`, and how to get each
+# tracker where it is not `pip install <report_to name>`
+_AVAILABLE_AS = {"azure_ml": "azureml", "comet_ml": "comet", "flyte": "flytekit"}
+_SET_UP = {"azure_ml": "pip install azureml-sdk", "comet_ml": "pip install comet_ml, and set COMET_API_KEY",
+           "dagshub": "pip install dagshub mlflow", "flyte": "pip install flytekit flytekitplugins-deck-standard",
+           "kubeflow": "set KUBEFLOW_TRAINER_SERVER_URL to the Kubeflow trainer's server"}
+
+
+def missing_trackers(report_to) -> list[str]:
+    "The integrations `report_to` names that transformers finds unavailable here (its `is_<name>_available()`)."
+    from transformers.integrations import integration_utils
+    names = [] if report_to in (None, "none", "all") else [report_to] if isinstance(report_to, str) else report_to
+    checks = {name: getattr(integration_utils, f"is_{_AVAILABLE_AS.get(name, name)}_available", None) for name in names}
+    return [name for name, available in checks.items() if available is not None and not available()]
+
+
+def check_trackers(report_to) -> None:
+    """Refuse, before training, a tracker in `report_to` that is not available here, saying how to get it (transformers
+    fails later and elsewhere: neptune's callback with an AttributeError in its `__del__`)."""
+    for name in missing_trackers(report_to):
+        check = f"is_{_AVAILABLE_AS.get(name, name)}_available"
+        raise ValueError(f"report_to names {name!r}, which is not available here: transformers' {check}() is False "
+                         "(its package is not installed, or it is switched off or not set up); "
+                         f"{_SET_UP.get(name, f'pip install {name}')}, or remove {name!r} from report_to.")
+
+# %% ../nbs/06h_assemble.ipynb
 class Callbacks(CallbackHandler):
     "transformers' CallbackHandler, passing extra keyword arguments (e.g. `completions`) to `on_log`."
     def on_log(self, args, state, control, logs, **extra):
@@ -249,6 +280,7 @@ class Callbacks(CallbackHandler):
 
 def make_callbacks(args, callbacks, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
     "The HF flow callback, `report_to`'s integrations, the user's callbacks and a progress bar (or printer)."
+    check_trackers(args.report_to)
     integrations = get_reporting_integration_callbacks(args.report_to)
     progress = PrinterCallback if args.disable_tqdm else ProgressCallback
     return Callbacks([DefaultFlowCallback, *integrations, *(callbacks or []), progress], model, tokenizer, optimizer,

@@ -6,15 +6,20 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import sys
 import threading
 import time
+import types
 from collections import deque
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'ASYNC_DEFAULTS_DIFFER', 'ASYNC_REFUSED', 'LANE_COLOURS', 'AsyncGRPOConfig', 'Flight', 'flight',
-           'WorkerResult', 'worker_main', 'server_worker_main', 'AsyncWorkerError', 'AsyncWorker', 'ServerWorker',
-           'AsyncGRPOTrainer', 'plot_timeline', 'run_record', 'staleness_png', 'StalenessExplorer']
+           'WorkerResult', 'worker_main', 'server_worker_main', 'AsyncWorkerError', 'worker_payload', 'last_words',
+           'AsyncWorker', 'ServerWorker', 'AsyncGRPOTrainer', 'plot_timeline', 'run_record', 'staleness_png',
+           'StalenessExplorer']
 
 # %% ../nbs/06l_async.ipynb
 ASYNC_DEFAULTS_DIFFER = {
@@ -272,11 +278,13 @@ def _serve_tasks(sampler, settings, ch: _Channels) -> None:
         raise
 
 
-def worker_main(recipe, tokenizer, settings, ch: _Channels, threads: int, seed: int) -> None:
-    "The local worker process: build the policy from `(class, config, weights)`, then serve tasks until stopped."
+def worker_main(payload: bytes, state: dict, ch: _Channels, threads: int, seed: int) -> None:
+    """The local worker process: unpickle the policy's class and config, the tokenizer and the sampling settings
+    (`worker_payload`), build the policy with the weights `state`, then serve tasks until stopped. A failure before
+    serving ends the process with its traceback on stderr, whose last words the trainer quotes."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    cls, config, state = recipe
+    cls, config, tokenizer, settings = pickle.loads(payload)
     policy = cls(config)
     policy.load_state_dict(state)
     policy.eval()
@@ -296,6 +304,99 @@ def server_worker_main(engine: VLLMServerEngine, settings, ch: _Channels) -> Non
 # %% ../nbs/06l_async.ipynb
 class AsyncWorkerError(RuntimeError):
     "The generation worker died, hung or could not start; the run stopped before the step that needed it."
+
+# %% ../nbs/06l_async.ipynb
+class _MainFinder(pickle.Pickler):
+    "A pickler that notes each class or function it refers to by name in the user's `__main__`."
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.from_main = set()
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.from_main.add(obj.__qualname__)
+        return NotImplemented        # pickled as usual
+
+
+def worker_payload(*objs) -> tuple[bytes, tuple]:
+    """`objs` pickled for the worker, and the names in them that only the user's `__main__` defines (for those the
+    worker must import the user's script, as `spawn` does)."""
+    buffer = io.BytesIO()
+    pickler = _MainFinder(buffer)
+    pickler.dump(objs)
+    return buffer.getvalue(), tuple(sorted(pickler.from_main))
+
+
+_SPAWNING = threading.Lock()
+
+@contextmanager
+def _without_main(leave_out: bool = True):
+    """While a process is spawned in this block, `multiprocessing` finds a bare `__main__` (no file, no module name),
+    so the child does not import the user's script; the user's module is put back when the block ends."""
+    with _SPAWNING:
+        main = sys.modules["__main__"]
+        if leave_out:
+            sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+
+# %% ../nbs/06l_async.ipynb
+def last_words(lines: list[str], limit: int = 300) -> str:
+    """The exception that ended the last traceback in `lines`, on one line (at most `limit` characters); with no
+    traceback, the last line that is not blank."""
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), default=None)
+    if start is None:
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+    tail = lines[start + 1:]
+    first = next((i for i, line in enumerate(tail) if line.strip() and not line[0].isspace()), None)
+    if first is None:
+        return ""
+    said = " ".join(" ".join(tail[first:]).split())
+    return said if len(said) <= limit else said[:limit - 3].rstrip() + "..."
+
+
+class _StderrTail:
+    """A child's stderr through a pipe: echoed to this process's file descriptor 2 as it comes, its last lines kept."""
+    def __init__(self, keep: int = 60):
+        self.lines = deque(maxlen=keep)
+        self._read, self._write = os.pipe()
+        self._echo = os.dup(2)
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="grpo-lab-worker-stderr")
+        self._thread.start()
+
+    def _pump(self) -> None:
+        rest = b""
+        while chunk := os.read(self._read, 1 << 16):
+            with suppress(OSError):                  # our own stderr is gone: the lines are still kept
+                os.write(self._echo, chunk)
+            *done, rest = (rest + chunk).split(b"\n")
+            self.lines.extend(line.decode(errors="replace").rsplit("\r", 1)[-1] for line in done)
+        if rest:
+            self.lines.append(rest.decode(errors="replace"))
+        os.close(self._read)
+        os.close(self._echo)
+
+    @contextmanager
+    def given(self):
+        "Within the block this process's file descriptor 2 is the pipe, so a process started there writes to it."
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()            # started outside the block: it must not hold the pipe open
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(self._write, 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(self._write)
+
+    def last_words(self, wait: float = 2.0) -> str:
+        "`last_words` of what the child wrote, once it closed its stderr (waiting at most `wait` seconds for that)."
+        self._thread.join(wait)
+        return last_words(list(self.lines))
 
 # %% ../nbs/06l_async.ipynb
 def _plain(policy):
@@ -321,24 +422,43 @@ def _cpu_state(state: dict) -> dict:
 
 class AsyncWorker:
     "The generation process, its queues and its health, as the trainer sees them."
+    stderr: _StderrTail | None = None      # the worker's stderr, where it can be read (POSIX)
+    from_main: tuple = ()                  # what the worker imports from the user's script
+
     def __init__(self, policy, tokenizer, settings, args: AsyncGRPOConfig, version: int, threads: int = 1):
         from grpo_lab import async_grpo as lib     # what crosses to the worker comes from the module, never a notebook
+        if getattr(mp.current_process(), "_inheriting", False):   # multiprocessing's own sign: spawn runs the script
+            raise RuntimeError("the user's script, run again inside the generation worker, started a trainer there.")
         ctx = mp.get_context("spawn")
         self.args, self.flight = args, flight(args)
         self.ch = lib._Channels(ctx.Queue(), ctx.Queue(maxsize=self.flight.queue_batches), ctx.Queue(), ctx.Queue(),
                             ctx.Value("i", version), ctx.Value("d", time.time()), ctx.Value("d", 0.0), ctx.Event(),
                             ctx.Event())
         plain = _plain(policy)
-        recipe = (type(plain), plain.config, _cpu_state(plain.state_dict()))
+        payload, self.from_main = worker_payload(type(plain), plain.config, tokenizer, settings)
         self.process = ctx.Process(target=lib.worker_main, daemon=True, name="grpo-lab-async-worker",
-                                   args=(recipe, tokenizer, settings, self.ch, threads, args.seed))
-        self.process.start()
+                                   args=(payload, _cpu_state(plain.state_dict()), self.ch, threads, args.seed))
+        self.stderr = _StderrTail() if os.name == "posix" else None
+        with _without_main(leave_out=not self.from_main), self.stderr.given() if self.stderr else nullcontext():
+            self.process.start()
         self.pushed = version           # the newest version the worker was given
         self.submitted = 0              # tasks handed out
+        self.started = False
         self._wait_ready(args.vllm_server_timeout)
+        self.started = True
 
     def _who(self) -> str:
         return f"(pid {self.process.pid}) exited with code {self.process.exitcode}"
+
+    def _last_words(self) -> str:
+        "What the worker last wrote on stderr, and, when it ran the user's script again, why and what to do."
+        words = self.stderr.last_words() if self.stderr else ""
+        said = f"; its stderr ended with: {words.rstrip('.')}" if words else ""
+        if self.from_main:
+            names = ", ".join(self.from_main)
+            said += (f" (the worker ran your script again to import {names}, defined in it: move {names} into a module "
+                     'of its own, or put the code that trains under `if __name__ == "__main__":`)')
+        return said
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -359,7 +479,8 @@ class AsyncWorker:
         if failure is not None:
             raise AsyncWorkerError(f"the generation worker failed with {failure.rstrip('.?!')}.")
         if not self.process.is_alive():
-            raise AsyncWorkerError(f"the generation worker {self._who()} before it delivered its batch.")
+            when = "delivered its batch" if getattr(self, "started", True) else "started"
+            raise AsyncWorkerError(f"the generation worker {self._who()} before it {when}{self._last_words()}.")
         busy = ch.busy_since.value
         if busy and now - busy > args.request_timeout:
             raise AsyncWorkerError(f"the generation worker spent {now - busy:.0f}s on one batch, more than "

@@ -21,9 +21,10 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from .batching import short_repr
 
 # %% auto 0
-__all__ = ['CHAT_ROLES', 'PROMPT_RULE', 'STREAM_CHECK_ROWS', 'FILE_FORMATS', 'REASONING_SYSTEM_PROMPT', 'arithmetic_task',
-           'is_conversational', 'render_prompt', 'prompt_token_lengths', 'check_prompt', 'check_prompts',
-           'with_system_prompt', 'load_prompts', 'extract_hash_answer', 'format_gsm8k', 'gsm8k']
+__all__ = ['CHAT_ROLES', 'PROMPT_RULE', 'IMAGE_COLUMNS', 'NOT_VLM', 'STREAM_CHECK_ROWS', 'FILE_FORMATS',
+           'REASONING_SYSTEM_PROMPT', 'arithmetic_task', 'is_conversational', 'render_prompt', 'prompt_token_lengths',
+           'check_text_only', 'check_no_image_columns', 'check_prompt', 'check_prompts', 'with_system_prompt',
+           'load_prompts', 'extract_hash_answer', 'format_gsm8k', 'gsm8k']
 
 # %% ../nbs/04_data.ipynb
 def arithmetic_task(n: int, seed: int = 0, max_operand: int = 99, ops: str = "+-",
@@ -102,6 +103,32 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 PROMPT_RULE = "a prompt is a string or a list of {'role': ..., 'content': ...} messages"
 
 
+IMAGE_COLUMNS = ("image", "images")      # TRL 1.16's columns of pictures for a vision-language model
+NOT_VLM = ("vision-language models are not supported yet in grpo-lab, and a text model would train on the text alone, "
+           "without a word about the pictures")
+
+
+def check_text_only(prompt, row: int, column: str = "prompt") -> None:
+    "Refuse a conversation with a content part that is not text (TRL's `{'type': 'image'}`), naming row, message and part."
+    for number, message in enumerate(prompt if isinstance(prompt, (list, tuple)) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        kinds = [part.get("type", "text") for part in content] if isinstance(content, list) else []
+        picture = next((kind for kind in kinds if kind != "text"), None)
+        if picture is not None:
+            raise ValueError(f"row {row}: {column!r} message {number} holds an {{'type': {short_repr(picture)}}} part: "
+                             f"{NOT_VLM}; keep only the text parts ({{'type': 'text', 'text': ...}}) to train on the "
+                             "text, or train a vision-language model with TRL's GRPOTrainer.")
+
+
+def check_no_image_columns(columns) -> None:
+    "Refuse TRL's `image` / `images` columns: they hold pictures for a vision-language model."
+    found = [name for name in IMAGE_COLUMNS if name in columns]
+    if found:
+        raise ValueError(f"the dataset has an {found[0]!r} column (TRL's layout for a vision-language model): "
+                         f"{NOT_VLM}; drop it (ds = ds.remove_columns({found!r})) and any image parts of the prompts "
+                         "to train on the text, or train a vision-language model with TRL's GRPOTrainer.")
+
+
 def _check_message(message, row: int, number: int, column: str):
     "Raise an error naming the row and message unless `message` is a `{'role', 'content'}` dict with a known role."
     where = f"row {row}: {column!r} message {number}"
@@ -137,6 +164,7 @@ def check_prompt(prompt, row: int, column: str = "prompt") -> bool:
         raise TypeError(f"row {row}: {column!r} is {short_repr(prompt)} ({type(prompt).__name__}), but {PROMPT_RULE}; {fix}.")
     for number, message in enumerate(prompt):
         _check_message(message, row, number, column)
+    check_text_only(prompt, row, column)
     return all(_is_blank(m["content"]) for m in prompt)
 
 # %% ../nbs/04_data.ipynb
@@ -363,6 +391,7 @@ def _prepare_stream(ds: IterableDataset, prompt_column: str, limit: int | None) 
     if not head:
         raise ValueError("the stream has no rows; GRPO needs at least one prompt.")
     _require_column(ds.column_names or list(head[0]), prompt_column)
+    check_no_image_columns(ds.column_names or list(head[0]))
     check_prompts(head, prompt_column)
     return _checked_stream(ds, prompt_column)
 
@@ -379,6 +408,7 @@ def load_prompts(source, *, split: str = "train", prompt_column: str = "prompt",
             what = str(source) if isinstance(source, (str, os.PathLike)) else f"this {type(source).__name__}"
             raise ValueError(f"the dataset from {what} has no rows; GRPO needs at least one prompt.")
         _require_column(ds.column_names, prompt_column)
+        check_no_image_columns(ds.column_names)
         ds = _first_rows(ds, limit)
         check_prompts(ds, prompt_column)
     ds = ds if prompt_column == "prompt" else ds.rename_column(prompt_column, "prompt")

@@ -335,16 +335,25 @@ def _warn_unscored(rewards: torch.Tensor, prompts: Sequence, completions: Sequen
 
 # %% ../nbs/01_rewards.ipynb
 def _as_values(values, name: str, n: int) -> list:
-    "What a reward function returned, as a list of `n` values, or a `RewardFunctionError` naming the function."
+    """What a reward function returned, as a list of `n` values, or a `RewardFunctionError` naming the function.
+    Any iterable is taken in its order, as TRL 1.16 takes it (`[r for r in returned]`): a list, a tuple, a generator,
+    a NumPy array, a tensor. Refused on purpose, where TRL would iterate them: a str or bytes (its characters), a dict
+    (its keys) and a set (no order, so the rewards would not follow the completions)."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
-    if isinstance(values, (str, dict)) or not hasattr(values, "__len__"):
-        raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion, "
-                                  f"got {_short(values, 60)}.")
+    why = {str: "a str iterates over its characters", bytes: "bytes iterate over their byte values",
+           dict: "a dict iterates over its keys", set: "a set has no order", frozenset: "a frozenset has no order"}
+    kind = next((text for cls, text in why.items() if isinstance(values, cls)), None)
+    if kind is None and not hasattr(values, "__iter__"):
+        kind = f"a {type(values).__name__} is not a sequence of values"
+    if kind is not None:
+        raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion (any "
+                                  f"iterable of them, in the completions' order), got {_short(values, 60)}: {kind}.")
+    values = list(values)
     if len(values) != n:
         raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion: "
                                   f"expected {n}, got {len(values)}.")
-    return list(values)
+    return values
 
 
 def _column(values, name: str, n: int) -> torch.Tensor:

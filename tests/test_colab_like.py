@@ -1,4 +1,5 @@
-"""The tutorials and the widgets notebook run as a learner on Colab runs them (`.ci/colab_like.py`).
+"""The tutorials, the async and the widgets notebooks run as a learner on Colab runs them (`.ci/colab_like.py`); no
+notebook imports what a plain install lacks, unless the import is guarded.
 
 A Python 3.12 environment with the project's wheel alone (no extras) and ipywidgets 7.7.1, an empty model cache, and
 the notebook's own Colab-only cell installing grpo-lab (from the local wheel), each notebook alone in an empty folder.
@@ -26,20 +27,45 @@ colab_like = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(colab_like)
 PYTHON, notebooks = colab_like.PYTHON, colab_like.notebooks
 
-IN_THE_TEST_COMMAND = ["tutorials/", "07_widgets"]
+IN_THE_TEST_COMMAND = ["tutorials/", "06l_async", "07_widgets"]
 
 
-def test_the_subset_is_every_tutorial_and_the_widgets_notebook():
+def test_the_subset_is_every_tutorial_the_async_and_the_widgets_notebooks():
+    "06l_async: the module notebook that once imported TRL, and the one that starts a process of its own."
     chosen = [p.relative_to(ROOT / "nbs").as_posix() for p in notebooks(IN_THE_TEST_COMMAND)]
     tutorials = sorted(p.relative_to(ROOT / "nbs").as_posix() for p in (ROOT / "nbs/tutorials").glob("[0-9]*.ipynb"))
-    assert chosen == [*tutorials, "07_widgets.ipynb"]
+    assert chosen == [*tutorials, "06l_async.ipynb", "07_widgets.ipynb"]
+
+
+def test_no_notebook_imports_what_a_plain_install_lacks_unless_guarded():
+    """Every notebook (tutorials, module notebooks, the index), read rather than run: each import a cell runs names a
+    module of the standard library, grpo_lab, or settings.ini's runtime requirements (and theirs); TRL, pytest and
+    the other development packages only under an `if` or a `try`. The run above covers some notebooks; this, all."""
+    allowed = colab_like.plain_install_modules()
+    assert {"torch", "transformers", "datasets", "yaml", "numpy", "IPython"} <= allowed
+    assert not allowed & {"trl", "pytest", "hypothesis", "nbdev", "execnb", "nbformat", "jmespath", "sphinx"}
+    found = {nb.relative_to(ROOT / "nbs").as_posix(): bad for nb in notebooks()
+             if (bad := colab_like.unguarded_imports(nb, allowed))}
+    assert not found, f"imports a plain install lacks (guard them with importlib.util.find_spec): {found}"
+
+
+def test_the_import_check_finds_an_unguarded_import_and_accepts_a_guarded_one(tmp_path):
+    cells = ["import json\nfrom trl.experimental.async_grpo import AsyncGRPOConfig",
+             "import importlib.util\nif importlib.util.find_spec('trl'):\n    import trl",
+             "try:\n    import pytest\nexcept ImportError:\n    pytest = None",
+             "def compare():\n    from trl import GRPOConfig\n    return GRPOConfig",
+             "%%time\nimport hypothesis"]
+    notebook = tmp_path / "n.ipynb"
+    notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells]}))
+    assert colab_like.unguarded_imports(notebook, colab_like.plain_install_modules()) == ["cell 0: trl",
+                                                                                          "cell 4: hypothesis"]
 
 
 @pytest.mark.slow
-def test_tutorials_and_widgets_run_as_on_colab(tmp_path):
+def test_tutorials_async_and_widgets_run_as_on_colab(tmp_path):
     if not os.environ.get("GRPO_LAB_COLAB_LIKE"):
         pytest.skip("opt-in (GRPO_LAB_COLAB_LIKE=1): a fresh Python 3.12 environment pulls torch's CUDA build (about "
-                    "4.5 GB; these machines cache a CPU wheel for 3.11 only) and the run takes ~10 minutes, past CI's "
+                    "4.5 GB; these machines cache a CPU wheel for 3.11 only) and the run takes ~12 minutes, past CI's "
                     "budget; the full run is `python .ci/colab_like.py`")
     if not Path(PYTHON).exists():
         pytest.skip(f"no Python 3.12 at {PYTHON} (pyenv's 3.12.1), which the Colab-like environment is made with")

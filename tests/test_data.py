@@ -275,7 +275,8 @@ def test_some_prompts_empty_are_counted_and_named_with_a_working_filter():
 
 
 def test_content_parts_and_tool_messages_are_accepted():
-    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    "Text parts and tool messages; an image part is refused (tests/test_third_pass.py: no vision-language models yet)."
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": " this?"}]}]
     tool = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": ""},
             {"role": "tool", "content": "sunny"}]
     assert check_prompts(chats(parts, tool)) is None
