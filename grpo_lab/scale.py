@@ -570,8 +570,9 @@ def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", nu
     precision = "bf16" if scaled["bf16"] else "fp16" if scaled["fp16"] else "no"
     config = accelerate_config(strategy, num_processes, num_machines=num_machines, mixed_precision=precision,
                                cpu=cpu, layer_class=layer)
-    cpu_note = ("# distributed_type MULTI_GPU + use_cpu: accelerate's multi-GPU launcher (torchrun) starts the processes\n"
-                "# and launch.sh sets ACCELERATE_USE_CPU=true so they run on the CPU (MULTI_CPU would need mpirun).\n")
+    cpu_note = (f"# distributed_type {config['distributed_type']} + use_cpu: accelerate's multi-GPU launcher (torchrun) starts the\n"
+                "# processes and launch.sh sets ACCELERATE_USE_CPU=true so they run on the CPU (MULTI_CPU would need mpirun)"
+                + (";\n# grpo-lab's trainer then shards them with FSDP2 itself (06p_sharded).\n" if strategy == "fsdp" else ".\n"))
     (out / "accelerate_config.yaml").write_text(header + (cpu_note if cpu else "") + yaml.safe_dump(config, sort_keys=False))
     if strategy in ("zero2", "zero3"):
         (out / "ds_config.json").write_text(json.dumps(deepspeed_config(options, int(strategy[-1])), indent=1) + "\n")
