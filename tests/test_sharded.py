@@ -55,20 +55,28 @@ SCRIPT = textwrap.dedent("""
     final = weights(trainer)
     trainer.save_model(f"{out}/model")
     acc = trainer.accelerator
-    prompts = [trainer.processing_class(p, return_tensors="pt").input_ids for p in ("3+4=", "12+9=", "7+7=")]
+    prompts = [trainer.processing_class(p, return_tensors="pt").input_ids for p in ("3+4=", "99+99=", "12+9=")]
     with gathered_for_generation(trainer) as policy:          # every process answers (FSDP: gathered weights)
         policy.eval()
         trained = [policy.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist() for ids in prompts]
+    # ds3_gather_for_generation=False: generate from the shards; each process asks in another order, so their answers
+    # end at different steps and generate must keep them in step
+    trainer.args.ds3_gather_for_generation = False
+    mine = list(range(acc.process_index, 3)) + list(range(acc.process_index))
+    with gathered_for_generation(trainer) as policy:
+        from_shards = [policy.generate(prompts[i], max_new_tokens=6, do_sample=False)[0].tolist() for i in mine]
+    trainer.args.ds3_gather_for_generation = gather
 
     resumed = GRPOTrainer(str(tiny_model_path()), exact_answer, args=config("run"), train_dataset=data)
     resumed.train(resume_from_checkpoint=f"{out}/run/checkpoint-2")
     again = weights(resumed)
-    result = {"world": acc.num_processes, "sharded": is_sharded(acc), "held_start": held, "held": held_after,
-              "losses": [h["loss"] for h in trainer.history], "resumed_losses": [h["loss"] for h in resumed.history]}
+    result = {"trained": trained, "world": acc.num_processes, "sharded": is_sharded(acc), "held_start": held, "held": held_after,
+              "losses": [h["loss"] for h in trainer.history], "resumed_losses": [h["loss"] for h in resumed.history],
+              "from_shards_equal": from_shards == [trained[i] for i in mine],
+              "answer_lengths": [len(a) - ids.size(1) for a, ids in zip(trained, prompts)]}
     if acc.is_main_process:
         loaded = AutoModelForCausalLM.from_pretrained(f"{out}/model").eval()
         result["saved"] = [loaded.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist() for ids in prompts]
-        result["trained"] = trained
         result["resume_max_diff"] = max((final[k] - again[k]).abs().max().item() for k in final)
         torch.save(final, f"{out}/weights.pt")
     json.dump(result, open(f"{out}/rank{acc.process_index}.json", "w"))
@@ -115,6 +123,9 @@ def test_fsdp_on_two_cpu_processes_equals_ddp_saves_resumes_and_halves_memory(tm
     assert fsdp[0]["resume_max_diff"] == 0.0 and ddp[0]["resume_max_diff"] == 0.0
     # the saved model loads with from_pretrained and answers greedily as the trained policy does
     assert fsdp[0]["saved"] == fsdp[0]["trained"] == fsdp[1]["trained"]
+    # and from the shards (ds3_gather_for_generation=False), with the processes' answers ending at different steps
+    assert all(r["from_shards_equal"] for r in fsdp + ddp)
+    assert len(set(fsdp[0]["answer_lengths"])) > 1        # (the answers end at different steps)
     # each process holds about half of DDP's parameters and Adam states
     ratio = [f["held"]["total"] / d["held"]["total"] for f, d in zip(fsdp, ddp)]
     assert all(r <= 0.6 for r in ratio), ratio
