@@ -13,7 +13,10 @@ Stages: environment (versions, GPU, what imports), cuda_tests (tests/test_cuda.p
 bench_1.5b_qlora (`grpo-lab bench` against TRL at random-weight Qwen2.5 shapes, 2 prompts x 8 completions, prompts
 of 64 tokens, completions of exactly 128, 3 steps), t4_rehearsal (the shipped colab-t4-qwen-gsm8k.yaml run with a
 local random-weight Qwen2.5-0.5B and a local GSM8K-shaped dataset, the GPU answering as a T4 does; its peak memory
-against the T4's 15,360 MiB and against estimate_memory) and demo (`grpo-lab demo`, shortened).
+against the T4's 15,360 MiB and against estimate_memory) and demo (`grpo-lab demo`, shortened). Last, sharded (issue
+39): FSDP, and DeepSpeed ZeRO-2/3 where `deepspeed` imports, each on one process (world size 1 still runs the
+gather and save paths): 3 steps of the tiny model and a saved model that loads and answers as the trained one (the
+dry mode runs FSDP on 2 CPU processes instead). It is not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "data
 IN_PROCESS = ("cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "demo")   # the others import torch: a child each
 # name: (budget on a GPU, budget in the dry mode), seconds
 STAGES = {"environment": (25, 30), "cuda_tests": (110, 90), "bench_0.5b_bf16_lora": (100, 60),
-          "bench_1.5b_qlora": (90, 60), "t4_rehearsal": (60, 60), "demo": (60, 60)}
+          "bench_1.5b_qlora": (90, 60), "t4_rehearsal": (60, 60), "demo": (60, 60), "sharded": (120, 150)}
 BENCH = {"bench_0.5b_bf16_lora": ["--shape", "qwen2.5-0.5b", "--lora-r", "16"],
          "bench_1.5b_qlora": ["--shape", "qwen2.5-1.5b", "--lora-r", "16", "--load-in-4bit"]}
 BENCH_SIZES = {False: ["--pd", "16", "-G", "8", "--prompt-length", "64", "--completion-length", "128", "--steps", "3"],
@@ -264,6 +267,61 @@ def stage_demo(dry: bool, work: Path, deadline: float) -> dict:
     checks = [check("ran every step", s["steps"] == steps, str(s["steps"])),
               check(f"held-out accuracy rose by >= {DEMO_MIN_LIFT * 100:.0f} points", None if dry else lift >= DEMO_MIN_LIFT,
                     f"{100 * s['accuracy_before']:.1f}% -> {100 * s['accuracy_after']:.1f}%")]
+    return {"figures": figures, "checks": checks}
+
+
+SHARDED_SCRIPT = """
+import json, sys
+from transformers import AutoModelForCausalLM
+from grpo_lab.data import arithmetic_task
+from grpo_lab.models import tiny_model_path
+from grpo_lab.rewards import exact_answer
+from grpo_lab.sharded import gathered_for_generation, held_bytes
+from grpo_lab.trainer import GRPOConfig, GRPOTrainer
+out = sys.argv[1]
+args = GRPOConfig(output_dir=out + "/run", per_device_train_batch_size=8, num_generations=8, max_steps=3, beta=0.04,
+                  learning_rate=1e-3, max_prompt_length=32, max_completion_length=6, logging_steps=1,
+                  save_strategy="no", disable_tqdm=True, report_to="none")
+trainer = GRPOTrainer(str(tiny_model_path()), exact_answer, args=args, train_dataset=arithmetic_task(64, seed=3))
+trainer.train()
+trainer.save_model(out + "/model")
+acc, device = trainer.accelerator, trainer.accelerator.device
+ids = [trainer.processing_class(p, return_tensors="pt").input_ids.to(device) for p in ("3+4=", "12+9=")]
+with gathered_for_generation(trainer) as policy:
+    trained = [policy.generate(i, max_new_tokens=6, do_sample=False)[0].tolist() for i in ids]
+if acc.is_main_process:
+    loaded = AutoModelForCausalLM.from_pretrained(out + "/model").to(device).eval()
+    saved = [loaded.generate(i, max_new_tokens=6, do_sample=False)[0].tolist() for i in ids]
+    json.dump({"distributed_type": str(acc.distributed_type), "processes": acc.num_processes,
+               "losses": [h["loss"] for h in trainer.history], "held_bytes": held_bytes(trainer),
+               "saved_answers_equal": saved == trained}, open(out + "/result.json", "w"))
+"""
+
+
+def stage_sharded(dry: bool, work: Path, deadline: float) -> dict:
+    "FSDP and (where deepspeed imports) ZeRO-2/3 on one GPU process: 3 steps, a saved model that loads and answers alike."
+    import importlib.util
+    from grpo_lab.scale import export_run, read_run
+    (work / "sharded.py").write_text(SHARDED_SCRIPT)
+    strategies = ["fsdp"] + (["zero2", "zero3"] if importlib.util.find_spec("deepspeed") else [])
+    figures, checks = {"deepspeed": "imports" if len(strategies) > 1 else "not carried (no deepspeed wheel)"}, []
+    for strategy in strategies:
+        folder = work / strategy
+        run = {**read_run(ROOT / "configs" / "tiny-cpu.yaml"), "per_device_train_batch_size": 8}    # the script's batch
+        export = export_run(run, folder / "export", num_processes=2 if dry else 1,
+                            strategy=strategy, cpu=dry, mixed_precision="no" if dry else "bf16", allow_untested=True)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(export / "accelerate_config.yaml")]
+        if strategy != "fsdp":
+            command += ["--deepspeed_config_file", str(export / "ds_config.json")]
+        command += ["--main_process_port", "29517", str(work / "sharded.py"), str(folder)]
+        code, output = _run(command, folder / "launch.log", deadline - 3, env={"ACCELERATE_USE_CPU": "true"} if dry else None)
+        result = json.loads((folder / "result.json").read_text()) if (folder / "result.json").exists() else None
+        figures[strategy] = result or {"exit": code, "output": output[-1500:]}
+        ok = code == 0 and result is not None
+        checks.append(check(f"{strategy}: 3 steps with finite losses", ok and len(result["losses"]) == 3
+                            and all(math.isfinite(x) for x in result["losses"]), str(result and result["losses"])))
+        checks.append(check(f"{strategy}: the saved model loads and answers as the trained one",
+                            ok and result["saved_answers_equal"], "" if ok else f"exit {code}"))
     return {"figures": figures, "checks": checks}
 
 

@@ -28,6 +28,7 @@ from .models import eos_token_ids, load_policy, make_reference
 from .rewards import RewardModel
 from .rollout import SamplingSettings
 from .scoring import completion_logs, load_rewards
+from .sharded import prepare_reference
 from .steps import AdaptiveEntropy, EntropyWindow
 
 logger = logging.getLogger(__name__)
@@ -331,8 +332,7 @@ def build_update(trainer, model, optimizers):
     trainer.optimizer, trainer.lr_scheduler = make_optimizer(args, model, optimizers, total_steps)
     trainer.model, trainer.optimizer = acc.prepare(model, trainer.optimizer)
     seed_process(args.seed, acc.process_index)
-    if trainer.ref_model is not None:
-        trainer.ref_model = trainer.ref_model.to(acc.device)
+    trainer.ref_model = prepare_reference(acc, trainer.ref_model)    # sharded like the policy under FSDP (06p)
 
 
 def build_bookkeeping(trainer, callbacks):

@@ -503,7 +503,7 @@ def cmd_export(a) -> int:
         out = export_run(a.config, a.output_dir, num_processes=a.num_processes, strategy=a.strategy,
                          num_machines=a.num_machines, mixed_precision=a.mixed_precision, cpu=a.cpu,
                          keep_effective_batch=a.keep_effective_batch, dataset_size=a.dataset_size,
-                         overwrite=a.overwrite)
+                         overwrite=a.overwrite, allow_untested=a.allow_untested)
     except BatchConfigError as e:
         print(describe_error(e), file=sys.stderr)
         return 2
@@ -522,15 +522,17 @@ def _add_export(sub):
     p.add_argument("--output-dir", "-o", required=True, help="folder to write the exported files to")
     p.add_argument("--num-processes", "--gpus", type=_positive_int, required=True, help="processes (GPUs) on all machines together")
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
-                   help="ddp replicates the model; zero2/zero3 are DeepSpeed ZeRO stages; fsdp is PyTorch FSDP")
+                   help="ddp replicates the model; fsdp (PyTorch FSDP2) shards it; zero2/zero3 (DeepSpeed ZeRO) are refused until shown to train (--allow-untested)")
     p.add_argument("--num-machines", type=_positive_int, default=1)
     p.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
                    help="default: bf16 on GPUs, no on CPUs")
-    p.add_argument("--cpu", action="store_true", help="run the processes on the CPU (gloo backend; ddp only)")
+    p.add_argument("--cpu", action="store_true", help="run the processes on the CPU (gloo backend; ddp or fsdp)")
     p.add_argument("--keep-effective-batch", action="store_true",
                    help="lower gradient_accumulation_steps (or the per-device size) to keep the one-process run's prompts per step")
     p.add_argument("--dataset-size", "-N", type=_positive_int, default=None, help="number of prompts, to count steps per epoch")
     p.add_argument("--overwrite", action="store_true", help="replace exported files already in the output folder")
+    p.add_argument("--allow-untested", action="store_true",
+                   help="write zero2/zero3 files although DeepSpeed has not been shown to train with grpo-lab")
     p.set_defaults(func=cmd_export)
 
 # %% ../nbs/09_cli.ipynb

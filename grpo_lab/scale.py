@@ -23,8 +23,8 @@ import yaml
 from .batching import BATCH_OPTIONS, BatchConfigError, BatchPlan, plan_for, short_repr
 
 # %% auto 0
-__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'RUN_KEYS', 'MAX_RUN_BYTES', 'GPUS_PER_MACHINE',
-           'CPU_PROCESSES_PER_MACHINE', 'check_strategy', 'per_device_memory', 'config_defaults',
+__all__ = ['STRATEGIES', 'SHARDED_PARTS', 'MIXED_PRECISION', 'UNTESTED_STRATEGIES', 'RUN_KEYS', 'MAX_RUN_BYTES',
+           'GPUS_PER_MACHINE', 'CPU_PROCESSES_PER_MACHINE', 'check_strategy', 'per_device_memory', 'config_defaults',
            'same_effective_batch', 'decoder_layer_class', 'accelerate_config', 'deepspeed_config', 'check_combination',
            'launch_script', 'shipped_configs', 'resolve_config', 'load_run_file', 'convert_options', 'read_run',
            'build_config', 'scaled_run', 'export_readme', 'check_processes', 'export_run']
@@ -202,17 +202,26 @@ def deepspeed_config(options: dict, zero_stage: int) -> dict:
             "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
 
 # %% ../nbs/08_scale.ipynb
-def check_combination(options: dict, strategy: str, cpu: bool) -> None:
-    "Refuse what the strategy cannot run: 4-bit QLoRA with ZeRO-3/FSDP, sharding on CPUs."
+UNTESTED_STRATEGIES = ("zero2", "zero3")       # accepted by accelerate, never trained with grpo-lab yet
+
+
+def check_combination(options: dict, strategy: str, cpu: bool, allow_untested: bool = False) -> None:
+    "Refuse what the strategy cannot run (4-bit QLoRA with ZeRO-3/FSDP, DeepSpeed on CPUs) or was not shown to train."
     check_strategy(strategy)
     if options.get("load_in_4bit") and strategy in ("zero3", "fsdp"):
         raise ValueError(f"load_in_4bit=True with strategy={strategy!r}: {strategy} shards every weight, and "
                          "bitsandbytes' packed 4-bit weights cannot be sharded that way (it would need "
                          "bnb_4bit_quant_storage equal to the compute dtype, which grpo-lab's loader does not set). "
                          "For QLoRA use strategy='ddp' (or 'zero2'); to shard the weights, drop load_in_4bit.")
-    if cpu and strategy != "ddp":
-        raise ValueError(f"cpu=True with strategy={strategy!r}: DeepSpeed and FSDP need GPUs; "
-                         "on CPUs use strategy='ddp'.")
+    if cpu and strategy in UNTESTED_STRATEGIES:
+        raise ValueError(f"cpu=True with strategy={strategy!r}: accelerate starts DeepSpeed only on GPUs; "
+                         "on CPUs use strategy='fsdp' (shards like ZeRO-3) or 'ddp'.")
+    if strategy in UNTESTED_STRATEGIES and not allow_untested:
+        raise ValueError(f"strategy={strategy!r} has not been shown to train with grpo-lab yet (DeepSpeed has not run "
+                         "under its trainer on any machine of this project): use strategy='fsdp' to shard weights, "
+                         "gradients and optimizer states (shown on CPU processes: equal to DDP, gathered for generation "
+                         "and saving, resumed), or 'ddp'; pass allow_untested=True (grpo-lab export --allow-untested) "
+                         "to write the DeepSpeed files anyway.")
 
 # %% ../nbs/08_scale.ipynb
 def launch_script(strategy: str, num_processes: int, num_machines: int = 1, cpu: bool = False) -> str:
@@ -447,6 +456,19 @@ _STRATEGY_TEXT = {
 }
 
 
+_SHOWN = {
+    "ddp": "Shown to train: DDP on 2 CPU processes (tests/test_scale.py), and on 2 \"machines\" (two launch.sh runs on one "
+           "machine, MACHINE_RANK 0 and 1) including a kill and a resume.",
+    "fsdp": "Shown to train: FSDP2 on 2 CPU processes (tests/test_sharded.py): 3 steps equal to DDP's, weights gathered "
+            "for generation and the reference log-probs, save_model and checkpoints written whole (gathered), resume "
+            "to the same weights. Not yet measured on GPUs (benchmarks/gpu_check.py has the stage).",
+    "zero2": "Not shown to train: exported with allow_untested=True. DeepSpeed has not run under grpo-lab's trainer "
+             "yet; its generation and saving paths are accelerate's and TRL's, untested here. FSDP is the tested "
+             "way to shard.",
+}
+_SHOWN["zero3"] = _SHOWN["zero2"]
+
+
 def _plan_table(before: BatchPlan | None, after: BatchPlan, processes: tuple[int, int]) -> str:
     show = lambda plan, k: "invalid" if plan is None else ("-" if getattr(plan, k) is None else f"{getattr(plan, k):g}")
     rows = [f"| | {_processes(processes[0])} | {_processes(processes[1])} |", "|---|---|---|"]
@@ -494,8 +516,7 @@ def export_readme(before_run: dict, after_run: dict, strategy: str, num_processe
              "usual way (with FSDP it needs `bnb_4bit_quant_storage` equal to the compute dtype). Use DDP for QLoRA "
              "of small models, and ZeRO-3/FSDP for full fine-tuning of bigger ones.",
              "- Mixed precision is set by `run.yaml` (`bf16`/`fp16`): the trainer passes it to accelerate.",
-             "- grpo-lab's trainer is tested on several processes under DDP; the ZeRO and FSDP files are valid for "
-             "accelerate, but training under them has not been verified yet."]
+             f"- {_SHOWN[strategy]}"]
     return "\n".join(text) + "\n"
 
 # %% ../nbs/08_scale.ipynb
@@ -519,7 +540,7 @@ def check_processes(num_processes: int, num_machines: int = 1, cpu: bool = False
 # %% ../nbs/08_scale.ipynb
 def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", num_machines: int = 1,
                mixed_precision: str | None = None, cpu: bool = False, keep_effective_batch: bool = False,
-               dataset_size: int | None = None, overwrite: bool = False) -> Path:
+               dataset_size: int | None = None, overwrite: bool = False, allow_untested: bool = False) -> Path:
     "Write `run.yaml`, `accelerate_config.yaml`, `launch.sh` and a README to run `run` with `accelerate launch`."
     check_strategy(strategy)
     check_processes(num_processes, num_machines, cpu)
@@ -536,7 +557,7 @@ def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", nu
     scaled, notes = scaled_run(run, num_processes, mixed_precision=mixed_precision, cpu=cpu,
                                keep_effective_batch=keep_effective_batch, dataset_size=dataset_size)
     options = {k: v for k, v in scaled.items() if k not in RUN_KEYS}
-    check_combination(options, strategy, cpu)
+    check_combination(options, strategy, cpu, allow_untested)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -549,8 +570,9 @@ def export_run(run, output_dir, *, num_processes: int, strategy: str = "ddp", nu
     precision = "bf16" if scaled["bf16"] else "fp16" if scaled["fp16"] else "no"
     config = accelerate_config(strategy, num_processes, num_machines=num_machines, mixed_precision=precision,
                                cpu=cpu, layer_class=layer)
-    cpu_note = ("# distributed_type MULTI_GPU + use_cpu: accelerate's multi-GPU launcher (torchrun) starts the processes\n"
-                "# and launch.sh sets ACCELERATE_USE_CPU=true so they run on the CPU (MULTI_CPU would need mpirun).\n")
+    cpu_note = (f"# distributed_type {config['distributed_type']} + use_cpu: accelerate's multi-GPU launcher (torchrun) starts the\n"
+                "# processes and launch.sh sets ACCELERATE_USE_CPU=true so they run on the CPU (MULTI_CPU would need mpirun)"
+                + (";\n# grpo-lab's trainer then shards them with FSDP2 itself (06p_sharded).\n" if strategy == "fsdp" else ".\n"))
     (out / "accelerate_config.yaml").write_text(header + (cpu_note if cpu else "") + yaml.safe_dump(config, sort_keys=False))
     if strategy in ("zero2", "zero3"):
         (out / "ds_config.json").write_text(json.dumps(deepspeed_config(options, int(strategy[-1])), indent=1) + "\n")

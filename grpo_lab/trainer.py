@@ -42,6 +42,7 @@ from .assemble import (build_bookkeeping, build_scoring, build_update, check_hal
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
 from .rollout import (Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine,
                               length_metrics)
+from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation, make_accelerator, resume_parts
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks,
                             expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader)
@@ -134,8 +135,7 @@ class GRPOTrainer(TrainerSurface):
             configure_for_streaming(args)
         check_stream_length(self.streaming, args.max_steps)
         warn_length_weighted_sequences(args)
-        self.accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-                                       cpu=args.use_cpu)
+        self.accelerator = make_accelerator(args)      # FSDP on CPU processes too (06p_sharded)
         self.autocast_dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
                                if self.accelerator.native_amp else None)    # accelerate runs fp16 on a CPU in fp32
         warn_fp16_without_gpu(args, self.accelerator.device)
@@ -241,8 +241,8 @@ def remove_callback(self: GRPOTrainer, callback):
 # %% ../nbs/06_trainer.ipynb
 def _completions(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Completions:
     "The engine's completions of `rows` (each prompt repeated G times; `group` says which), by the current policy."
-    return trainer.engine.generate(rows, group, trainer.accelerator.unwrap_model(trainer.model), trainer.sampling,
-                                   trainer.state.global_step)
+    with gathered_for_generation(trainer) as policy:          # FSDP: the weights gathered (06p_sharded)
+        return trainer.engine.generate(rows, group, policy, trainer.sampling, trainer.state.global_step)
 
 
 def _score(trainer: GRPOTrainer, rows: list[dict], out: Completions, num_generations: int):
@@ -352,9 +352,10 @@ def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     if _corrects_sampler(trainer) and rollout.sampling_logps is not None and rollout.old_logps is not None:
         rollout.metrics.update(_sampler_weights(args, rollout)[1])
     if args.beta > 0:
-        rollout.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model,
-                                            input_ids, attention_mask, k, temperature=args.temperature, batch_size=bs,
-                                            autocast_dtype=trainer.autocast_dtype)
+        with gathered_for_generation(trainer) as policy:      # FSDP: the weights gathered (06p_sharded)
+            rollout.ref_logps = reference_logps(policy, trainer.ref_model, input_ids, attention_mask, k,
+                                                temperature=args.temperature, batch_size=bs,
+                                                autocast_dtype=trainer.autocast_dtype)
 
 # %% ../nbs/06_trainer.ipynb
 def _gather_flat(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -647,7 +648,7 @@ def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[fl
     "Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."
     summary = _summary(trainer, window, step_losses)
     if trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint:
-        load_weights(trainer.accelerator.unwrap_model(trainer.model), Path(trainer.state.best_model_checkpoint))
+        load_weights(resume_parts(trainer)[0], Path(trainer.state.best_model_checkpoint))
     trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
     return TrainOutput(trainer.state.global_step, summary["train_loss"], summary)
 
@@ -765,9 +766,10 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
     control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
     info = {"num_processes": acc.num_processes, "batch": batch_options(self.args), "entropy_control": control}
 
+    policy, optimizer = checkpoint_parts(self)       # FSDP: gathered whole on every process (06p_sharded)
+
     def main_files(path: Path):
-        save_main_files(path, acc.unwrap_model(self.model), self.processing_class, self.optimizer, self.lr_scheduler,
-                        state, info)
+        save_main_files(path, policy, self.processing_class, optimizer, self.lr_scheduler, state, info)
         torch.save(self.args, path / TRAINING_ARGS_NAME)         # as the HF Trainer saves every checkpoint
     process_state = {"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
                      "rng": rng}
@@ -784,7 +786,7 @@ def save_checkpoint(self: GRPOTrainer) -> Path:
 def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
     "Restore weights, optimizer, scheduler, state and random state from `path`; return where the stream stands."
     path, acc = Path(path), self.accelerator
-    self.state, info, saved = ckpt.load_checkpoint(path, acc.unwrap_model(self.model), self.optimizer,
+    self.state, info, saved = ckpt.load_checkpoint(path, *resume_parts(self),
                                                    self.lr_scheduler, acc.num_processes, acc.process_index,
                                                    batch_options(self.args))
     if self.entropy_control is not None and info.get("entropy_control"):
@@ -802,9 +804,10 @@ def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
     "Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."
     path = Path(output_dir or self.args.output_dir)
     self.accelerator.wait_for_everyone()
+    state_dict = full_state_dict(self)        # FSDP: every process gathers the weights (06p_sharded); else None
     if self.accelerator.is_main_process:
         check_links(path)                     # nothing written through a link out of the folder
-        self.accelerator.unwrap_model(self.model).save_pretrained(path)
+        self.accelerator.unwrap_model(self.model).save_pretrained(path, state_dict=state_dict)
         self.processing_class.save_pretrained(path)
         torch.save(self.args, path / TRAINING_ARGS_NAME)
         _model_card(self, path)

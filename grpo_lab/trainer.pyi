@@ -28,6 +28,7 @@ from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, 
 from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
 from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, length_metrics
+from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation, make_accelerator, resume_parts
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader
 from .surface import TrainerSurface, _model_card

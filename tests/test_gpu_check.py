@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 
-STAGES = ["environment", "cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "t4_rehearsal", "demo"]
+STAGES = ["environment", "cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "t4_rehearsal", "demo", "sharded"]
 
 
 def gpu_check(out, *args, timeout=900):
@@ -49,6 +49,7 @@ def test_dry_run_runs_every_stage_and_writes_the_report(tmp_path):
     assert t4["steps"] == 1 and t4["t4_limit_mib"] == 15360 and t4["estimate_mib"] >= 0 and t4["peak_memory_mib"] > 0
     demo = by_name["demo"]["figures"]
     assert demo["steps"] == 2 and 0 <= demo["accuracy_before"] <= 1
+    assert by_name["sharded"]["figures"]["fsdp"]["distributed_type"] == "DistributedType.FSDP"     # 2 CPU processes
     markdown = (out / "report.md").read_text()
     assert "DRY RUN" in markdown and "| stage | status |" in markdown and all(f"## {n}" in markdown for n in STAGES)
     with tarfile.open(out / "gpu-check-logs.tar.gz") as tar:
