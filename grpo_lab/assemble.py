@@ -28,7 +28,7 @@ from .models import eos_token_ids, load_policy, make_reference
 from .rewards import RewardModel
 from .rollout import SamplingSettings
 from .scoring import completion_logs, load_rewards
-from .sharded import prepare_reference
+from .sharded import check_sharded_adapter, prepare_reference
 from .steps import AdaptiveEntropy, EntropyWindow
 
 logger = logging.getLogger(__name__)
@@ -330,6 +330,7 @@ def build_update(trainer, model, optimizers):
     trainer.entropy_window = EntropyWindow()
     total_steps = trainer.plan.total_optimizer_steps
     trainer.optimizer, trainer.lr_scheduler = make_optimizer(args, model, optimizers, total_steps)
+    check_sharded_adapter(acc, model)          # LoRA under FSDP: refused, not yet shown to train (06p)
     trainer.model, trainer.optimizer = acc.prepare(model, trainer.optimizer)
     seed_process(args.seed, acc.process_index)
     trainer.ref_model = prepare_reference(acc, trainer.ref_model)    # sharded like the policy under FSDP (06p)

@@ -213,6 +213,11 @@ def check_combination(options: dict, strategy: str, cpu: bool, allow_untested: b
                          "bitsandbytes' packed 4-bit weights cannot be sharded that way (it would need "
                          "bnb_4bit_quant_storage equal to the compute dtype, which grpo-lab's loader does not set). "
                          "For QLoRA use strategy='ddp' (or 'zero2'); to shard the weights, drop load_in_4bit.")
+    if options.get("lora_r") and strategy == "fsdp":
+        raise ValueError(f"lora_r={options['lora_r']} with strategy='fsdp': a LoRA adapter under FSDP has not been "
+                         "shown to train with grpo-lab (accelerate's FSDP2 preparation stops on a PEFT model); use "
+                         "strategy='ddp' for LoRA (the frozen base stays whole on each process), or drop lora_r to "
+                         "shard a full fine-tune with 'fsdp'.")
     if cpu and strategy in UNTESTED_STRATEGIES:
         raise ValueError(f"cpu=True with strategy={strategy!r}: accelerate starts DeepSpeed only on GPUs; "
                          "on CPUs use strategy='fsdp' (shards like ZeRO-3) or 'ddp'.")

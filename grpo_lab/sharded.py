@@ -13,8 +13,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 # %% auto 0
-__all__ = ['mixed_precision', 'make_accelerator', 'shard_on_cpu', 'is_sharded', 'prepare_reference', 'gathered_weights',
-           'gathered_for_generation', 'full_state_dict', 'checkpoint_parts', 'resume_parts', 'held_bytes']
+__all__ = ['mixed_precision', 'make_accelerator', 'shard_on_cpu', 'is_sharded', 'prepare_reference', 'check_sharded_adapter',
+           'gathered_weights', 'gathered_for_generation', 'full_state_dict', 'checkpoint_parts', 'resume_parts',
+           'held_bytes']
 
 # %% ../nbs/06p_sharded.ipynb
 def mixed_precision(args) -> str:
@@ -63,6 +64,16 @@ def prepare_reference(accelerator, ref_model):
         return ref_model.to(accelerator.device)
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     return fsdp2_prepare_model(accelerator, ref_model.to(accelerator.device))
+
+# %% ../nbs/06p_sharded.ipynb
+def check_sharded_adapter(accelerator, model) -> None:
+    "A LoRA adapter under FSDP is refused in one sentence: it has not been shown to train with grpo-lab."
+    if is_sharded(accelerator) and getattr(model, "peft_config", None):
+        raise ValueError("a LoRA adapter (peft) with FSDP is not supported yet in grpo-lab: accelerate's FSDP2 "
+                         "preparation stops on a PEFT model ('FSDP requires a single root module'), so it has not "
+                         "been shown to train; train LoRA with strategy 'ddp' (the adapter and its optimizer are small, "
+                         "and DDP keeps the frozen base whole on each process, 4-bit included), or shard a full "
+                         "fine-tune (no peft_config) with 'fsdp'.")
 
 # %% ../nbs/06p_sharded.ipynb
 def _fsdp_units(*models) -> list:

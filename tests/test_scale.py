@@ -115,6 +115,15 @@ def test_qlora_is_refused_with_sharded_weights_and_allowed_otherwise(tmp_path, s
         assert (export_run(COLAB, tmp_path / ok, num_processes=8, strategy=ok, allow_untested=True) / "launch.sh").exists()
 
 
+def test_lora_with_fsdp_is_refused_in_the_export_and_allowed_with_ddp(tmp_path):
+    "A LoRA adapter under FSDP has not been shown to train (accelerate's FSDP2 preparation stops on a PEFT model)."
+    run = tmp_path / "lora.yaml"
+    run.write_text(TINY.read_text() + "lora_r: 8\n")
+    with pytest.raises(ValueError, match="lora_r=8 with strategy='fsdp'.*strategy='ddp'"):
+        export_run(run, tmp_path / "fsdp", num_processes=2, strategy="fsdp")
+    assert (export_run(run, tmp_path / "ddp", num_processes=2, strategy="ddp") / "launch.sh").exists()
+
+
 @pytest.mark.parametrize("options, move, changes, exact", [
     (dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, num_generations=8), (1, 4),
      {"gradient_accumulation_steps": 1}, True),
