@@ -128,6 +128,7 @@ class GRPOConfig(TrainingArguments):
     # grpo-lab's own
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
+    generation_engine: str = "auto"        # without vLLM: "static" (06o_static), "generate", or "auto" (static on CUDA)
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
@@ -284,6 +285,9 @@ def check_vllm_config(args) -> None:
     refuse(args.vllm_dtype is None or args.vllm_mode == "colocate",
            f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a server runs in the dtype it was "
            "started with: pass it to `grpo-lab vllm-serve --dtype` and leave vllm_dtype=None.")
+    refuse(args.generation_engine in ("auto", "generate", "static"),
+           f"generation_engine={args.generation_engine!r}: choose 'auto' (the static-cache engine on CUDA, generate on a "
+           "CPU), 'static' or 'generate'.")
     _check_is_clip(args)
     _check_model_length(args)
 
