@@ -229,6 +229,8 @@ def _check_ranges(cfg) -> None:
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
     check_vllm_config(cfg)
+    _check(cfg.generation_engine in ("auto", "generate", "static"), f"generation_engine={cfg.generation_engine!r}: choose "
+           "'auto' (the static-cache engine on CUDA, generate on a CPU), 'static' or 'generate'.")
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
     _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
     _check(cfg.max_completion_length is not None and cfg.max_completion_length >= 1,
@@ -285,9 +287,6 @@ def check_vllm_config(args) -> None:
     refuse(args.vllm_dtype is None or args.vllm_mode == "colocate",
            f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a server runs in the dtype it was "
            "started with: pass it to `grpo-lab vllm-serve --dtype` and leave vllm_dtype=None.")
-    refuse(args.generation_engine in ("auto", "generate", "static"),
-           f"generation_engine={args.generation_engine!r}: choose 'auto' (the static-cache engine on CUDA, generate on a "
-           "CPU), 'static' or 'generate'.")
     _check_is_clip(args)
     _check_model_length(args)
 
