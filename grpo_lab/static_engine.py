@@ -22,8 +22,7 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'STATIC_GENERATION_KWARGS', 'ENGINE_CHOICES', 'plain_model', 'prompt_positions', 'cache_columns',
            'cache_length', 'prefill_static', 'DecodeStep', 'logits_processors', 'pick_tokens', 'static_sample',
-           'static_unsupported', 'is_adapted', 'MergedCopy', 'copy_bytes', 'copy_fits', 'cache_bytes',
-           'StaticCacheEngine', 'default_engine']
+           'static_unsupported', 'is_adapted', 'MergedCopy', 'copy_fits', 'StaticCacheEngine', 'default_engine']
 
 # %% ../nbs/06o_static.ipynb
 def plain_model(model):
@@ -229,28 +228,27 @@ def _dequantized(model, name: str, param: torch.Tensor) -> torch.Tensor:
     return dequantize_module_weight(model.get_submodule(name.removesuffix(".weight")))
 
 # %% ../nbs/06o_static.ipynb
-def copy_bytes(model, dtype: torch.dtype) -> int:
-    "Bytes of a merged copy of `model` in `dtype` (every parameter of the plain architecture, 4-bit ones unpacked)."
-    from grpo_lab.memory import _Shapes
-    return _Shapes.of(plain_model(model).config).parameters * torch.finfo(dtype).bits // 8
+def _lora_r(model) -> int | None:
+    "The LoRA rank of a PEFT policy (None without adapters)."
+    config = next(iter(getattr(model, "peft_config", {}).values()), None)
+    return getattr(config, "r", None)
 
 
-def copy_fits(model, dtype: torch.dtype, cache_bytes: int, device) -> tuple[bool, str]:
-    """Whether a merged copy fits beside the run on `device`: the copy and the static cache must fit in the memory
-    the device has free now, keeping a quarter of it for the update's activations. `(fits, the figures)`."""
-    need = copy_bytes(model, dtype) + cache_bytes
+def copy_fits(model, device, rows: int, prompt_length: int, completion_length: int, **run) -> tuple[bool, str]:
+    """Whether `estimate_memory` (05a) says the run fits on `device` with the static engine's merged copy and cache
+    for `rows` completions sampled together; `run`: the rest of its settings. `(fits, the figures)`."""
+    from grpo_lab.memory import GIB, estimate_memory
+    quantized = _is_quantized(model)
+    lora_r = _lora_r(model) or (16 if quantized else None)      # a 4-bit base without an adapter: LoRA's usual
+    estimate = estimate_memory(plain_model(model).config, load_in_4bit=quantized, lora_r=lora_r,
+                               max_prompt_length=prompt_length, max_completion_length=completion_length,
+                               generation_copy=True, static_cache=True, generation_rows=rows, **run)
     device = torch.device(device)
     if device.type != "cuda":
-        return True, f"{need / 2**30:.2f} GiB in host memory"
-    free, _ = torch.cuda.mem_get_info(device)
-    return need <= 0.75 * free, f"{need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free"
-
-
-def cache_bytes(model, rows: int, length: int, dtype: torch.dtype) -> int:
-    "Bytes of a static KV cache: keys and values of every layer for `rows` x `length` tokens."
-    from grpo_lab.memory import _Shapes
-    s = _Shapes.of(plain_model(model).config)
-    return rows * length * s.layers * 2 * s.kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
+        return True, f"{estimate.total:.2f} GiB estimated, in host memory"
+    capacity = torch.cuda.get_device_properties(device).total_memory / GIB
+    capacity *= torch.cuda.get_per_process_memory_fraction(device)        # a cap such as the T4 rehearsal's
+    return estimate.total <= 0.9 * capacity, f"{estimate.total:.2f} GiB estimated, {capacity:.2f} GiB on the GPU"
 
 # %% ../nbs/06o_static.ipynb
 class StaticCacheEngine(RolloutEngine):
@@ -271,10 +269,11 @@ class StaticCacheEngine(RolloutEngine):
         self.copy_dtype = copy_dtype or (compute_dtype_for(self.device) if on_gpu else torch.float32)
         self.copy, self._cache, self._step = None, None, None
 
-    def sampler(self, policy, step: int, rows: int, length: int):
+    def sampler(self, policy, step: int, rows: int, prompt_length: int, completion_length: int):
         "The model to sample from: the merged copy (refreshed for `step`) where one is used, else the policy."
         if self.merged_copy is None:
-            self.merged_copy = self.device.type == "cuda" and is_adapted(policy) and self._fits(policy, rows, length)
+            self.merged_copy = self.device.type == "cuda" and is_adapted(policy) and \
+                self._fits(policy, rows, prompt_length, completion_length)
         if not self.merged_copy:
             return policy
         if self.copy is None:
@@ -282,12 +281,11 @@ class StaticCacheEngine(RolloutEngine):
         self.copy.refresh(policy, step)
         return self.copy.model
 
-    def _fits(self, policy, rows: int, length: int) -> bool:
-        dtype = self.copy_dtype
-        fits, figures = copy_fits(policy, dtype, cache_bytes(policy, rows, length, dtype), self.device)
+    def _fits(self, policy, rows: int, prompt_length: int, completion_length: int, **run) -> bool:
+        fits, figures = copy_fits(policy, self.device, rows, prompt_length, completion_length, **run)
         if not fits:
-            logger.warning("The merged %s copy for sampling does not fit (%s): sampling from the policy itself.",
-                           dtype, figures)
+            logger.warning("A merged %s copy for sampling does not fit (%s): sampling from the policy itself.",
+                           self.copy_dtype, figures)
         return fits
 
     def decode_step(self, model, rows: int, length: int) -> tuple[DecodeStep, StaticCache]:
@@ -305,7 +303,7 @@ class StaticCacheEngine(RolloutEngine):
         length = cache_length(p_ids.size(1), gen_config.max_new_tokens)
         if self._cache is not None and self._step[0][1] == len(p_ids) and cache_columns(self._cache) >= length:
             length = cache_columns(self._cache)       # a shorter batch reuses the captured shape
-        model = self.sampler(policy, step, len(p_ids), length)
+        model = self.sampler(policy, step, len(p_ids), p_ids.size(1), gen_config.max_new_tokens)
         decode, cache = self.decode_step(model, len(p_ids), length)
         was_training = model.training
         model.eval()
@@ -340,8 +338,10 @@ def default_engine(trainer, model) -> RolloutEngine:
     engine = StaticCacheEngine(tokenizer, device)
     if engine.device.type == "cuda" and is_adapted(model):      # decided now: the trainer must know who samples
         rows = trainer.plan.generation_batch_size // trainer.accelerator.num_processes
-        length = (args.max_prompt_length or 512) + args.max_completion_length
-        engine.merged_copy = engine._fits(model, rows, length)
+        engine.merged_copy = engine._fits(model, rows, args.max_prompt_length or 512, args.max_completion_length,
+                                          num_generations=args.num_generations,
+                                          per_device_train_batch_size=args.per_device_train_batch_size,
+                                          gradient_checkpointing=args.gradient_checkpointing)
     trainer.samples_elsewhere = bool(engine.merged_copy)     # a merged copy's samples get the IS correction
     logger.info("Sampling with the static-cache engine (%s decode step, %s).", "captured" if engine.compiled
                 else "eager", f"from a merged {engine.copy_dtype} copy" if engine.merged_copy else "from the policy")
