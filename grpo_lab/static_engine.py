@@ -5,6 +5,7 @@
 # %% ../nbs/06o_static.ipynb 7
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -91,7 +92,10 @@ class DecodeStep:
 # %% ../nbs/06o_static.ipynb
 def logits_processors(model, gen_config: GenerationConfig, prompt_ids: torch.Tensor,
                       prompt_mask: torch.Tensor) -> LogitsProcessorList:
-    "The logits processors `generate` builds for `gen_config` (repetition penalty, temperature, top-k/p, min-p...)."
+    """The logits processors `generate` builds for `gen_config` (repetition penalty, temperature, top-k/p, min-p,
+    min_new_tokens...), through the same two steps `generate` takes (its special-token tensors, then its processors)."""
+    gen_config = copy.deepcopy(gen_config)
+    model._prepare_special_tokens(gen_config, kwargs_has_attention_mask=True, device=prompt_ids.device)
     return model._get_logits_processor(generation_config=gen_config, input_ids_seq_length=prompt_ids.size(1),
                                        encoder_input_ids=prompt_ids, prefix_allowed_tokens_fn=None,
                                        logits_processor=LogitsProcessorList(), device=prompt_ids.device,
@@ -140,17 +144,25 @@ def static_sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ge
     return completion_ids, mask, truncated, torch.stack(logps, 1) if keep_logps else None
 
 # %% ../nbs/06o_static.ipynb
-# generation_kwargs the static engine honours (the rest need generate's own loop: stop strings, beams, ...)
-STATIC_GENERATION_KWARGS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                            "max_new_tokens", "pad_token_id", "bos_token_id", "eos_token_id", "use_cache"}
+# generation_kwargs the static engine honours: the sampling settings and generate's logits processors (the rest need
+# generate's own loop: stop strings, beams, several sequences per prompt, time limits, assistant models, ...)
+STATIC_GENERATION_KWARGS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
+                            "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+                            "suppress_tokens", "sequence_bias", "min_length", "min_new_tokens", "renormalize_logits",
+                            "remove_invalid_values", "max_new_tokens", "pad_token_id", "bos_token_id", "eos_token_id",
+                            "use_cache", "num_beams", "num_return_sequences"}
 
 
 def static_unsupported(model, generation_kwargs: dict | None = None, cache_implementation: str | None = None) -> str | None:
     "Why the static engine cannot sample for `model` with these settings (TRL's names; None: it can)."
     config = plain_model(model).config
-    other = sorted(set(generation_kwargs or {}) - STATIC_GENERATION_KWARGS)
+    generation_kwargs = generation_kwargs or {}
+    other = sorted(set(generation_kwargs) - STATIC_GENERATION_KWARGS)
     if other:
         return f"generation_kwargs {other} need generate's own loop"
+    several = [k for k in ("num_beams", "num_return_sequences") if generation_kwargs.get(k, 1) != 1]
+    if several:
+        return f"generation_kwargs {several} above 1 need generate's own loop"
     if cache_implementation not in (None, "static"):
         return f"cache_implementation={cache_implementation!r} is not the static cache"
     if getattr(config, "is_encoder_decoder", False):

@@ -227,3 +227,11 @@ def test_training_with_the_static_engine_learns_as_the_default_engine_does(tmp_p
         curves[engine] = [h["completions/mean_length"] for h in trainer.history if "completions/mean_length" in h]
         assert sum(curves[engine][-5:]) / 5 <= sum(curves[engine][:5]) / 5 - 1.0, curves[engine]
     assert curves["generate"] == pytest.approx(curves["static"], abs=1e-4), curves
+
+
+def test_generate_logits_processors_from_generation_kwargs(tiny):
+    "generation_kwargs that are logits processors (min_new_tokens, no_repeat_ngram_size, typical_p) apply as in generate."
+    sampling = settings(generation_kwargs={"min_new_tokens": 6, "no_repeat_ngram_size": 2, "typical_p": 0.9})
+    reference, static = both(tiny, StaticCacheEngine(tiny_tokenizer()), sampling, 4)
+    assert torch.equal(reference.completion_ids, static.completion_ids)
+    assert (static.completion_mask.sum(1) >= 7).all()          # six tokens at least, then the EOS
