@@ -354,7 +354,8 @@ def default_engine(trainer, model) -> RolloutEngine:
                                           num_generations=args.num_generations,
                                           per_device_train_batch_size=args.per_device_train_batch_size,
                                           gradient_checkpointing=args.gradient_checkpointing)
-    trainer.samples_elsewhere = bool(engine.merged_copy)     # a merged copy's samples get the IS correction
+    if engine.merged_copy:                       # a merged copy's samples get TRL's importance-sampling correction
+        trainer.samples_elsewhere = True
     logger.info("Sampling with the static-cache engine (%s decode step, %s).", "captured" if engine.compiled
                 else "eager", f"from a merged {engine.copy_dtype} copy" if engine.merged_copy else "from the policy")
     return engine
