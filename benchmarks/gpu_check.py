@@ -1,22 +1,27 @@
-"""The GPU check: grpo-lab's CUDA tests, the benchmarks against TRL, the T4 rehearsal and the demo, in one report.
+"""The GPU check: the T4 rehearsal, the static engine against generate and TRL, QLoRA against TRL and grpo-lab's CUDA
+tests, in one report, most valuable first.
 
 Run through `bash benchmarks/gpu_check.sh` (it installs the carried wheels first); the Python part alone:
 
-    python benchmarks/gpu_check.py --out runs/gpu-check            # on a GPU machine: ~7.5 minutes at most
+    python benchmarks/gpu_check.py --out runs/gpu-check            # on a GPU machine: under 6 minutes
     python benchmarks/gpu_check.py --out runs/gpu-check --dry-run  # on a CPU: the same stages at tiny shapes
 
-Each stage runs in its own process under a time budget (the budgets add up to under 8 minutes with the install); a
-stage that fails or runs out of time is recorded with its error and the next one runs. `--out` receives three files:
-report.json, report.md and gpu-check-logs.tar.gz (every stage's log and output files).
+Each stage runs under a time budget (the budgets add up to 330 s, under 6 minutes with the install); a stage that
+fails or runs out of time is recorded with its error and with what it measured so far (steps done, seconds a step,
+peak memory), and the next one runs. `--out` receives three files: report.json, report.md and gpu-check-logs.tar.gz
+(every stage's log and output files).
 
-Stages: environment (versions, GPU, what imports), cuda_tests (tests/test_cuda.py), bench_0.5b_bf16_lora and
-bench_1.5b_qlora (`grpo-lab bench` against TRL at random-weight Qwen2.5 shapes, 2 prompts x 8 completions, prompts
-of 64 tokens, completions of exactly 128, 3 steps), t4_rehearsal (the shipped colab-t4-qwen-gsm8k.yaml run with a
-local random-weight Qwen2.5-0.5B and a local GSM8K-shaped dataset, the GPU answering as a T4 does; its peak memory
-against the T4's 15,360 MiB and against estimate_memory) and demo (`grpo-lab demo`, shortened). Last, sharded (issue
-39): FSDP, and DeepSpeed ZeRO-2/3 where `deepspeed` imports, each on one process (world size 1 still runs the
-gather and save paths): 3 steps of the tiny model and a saved model that loads and answers as the trained one (the
-dry mode runs FSDP on 2 CPU processes instead). It is not yet measured on a GPU.
+Stages, in order: environment (versions, GPU, what imports); t4_rehearsal (the shipped colab-t4-qwen-gsm8k.yaml run
+at its own shapes with a local random-weight Qwen2.5-0.5B and a local GSM8K-shaped dataset, fp16, the GPU answering
+as a T4 does and the process capped at the T4's 15,360 MiB with torch.cuda.set_per_process_memory_fraction; seconds
+a step, its peak memory against the cap and against estimate_memory, the 250 steps projected); engine_0.5b_bf16_lora
+(`grpo-lab bench` at the random-weight Qwen2.5-0.5B shape with the static-cache engine against TRL, then with
+`generate`: 2 prompts x 8 completions, prompts of 64 tokens, completions of exactly 128, 3 steps); bench_1.5b_qlora
+(the same against TRL at the 1.5B shape on a 4-bit base); cuda_tests (tests/test_cuda.py). `demo` (`grpo-lab demo`,
+shortened) runs only when named with --only, and so does sharded (issue 39: FSDP, and DeepSpeed ZeRO-2/3 where
+`deepspeed` imports, each on one process, since world size 1 still runs the gather and save paths: 3 steps of the
+tiny model and a saved model that loads and answers as the trained one; the dry mode runs FSDP on 2 CPU processes).
+Run it in a second call: `--only sharded`. It is not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -42,11 +47,24 @@ DEMO_MIN_LIFT = 0.05                  # held-out accuracy points the shortened d
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "pyarrow", "trl", "fastcore",
             "grpo-lab")
 
-IN_PROCESS = ("cuda_tests", "bench_0.5b_bf16_lora", "bench_1.5b_qlora", "demo")   # the others import torch: a child each
-# name: (budget on a GPU, budget in the dry mode), seconds
-STAGES = {"environment": (25, 30), "cuda_tests": (110, 90), "bench_0.5b_bf16_lora": (100, 60),
-          "bench_1.5b_qlora": (90, 60), "t4_rehearsal": (60, 60), "demo": (60, 60), "sharded": (120, 150)}
-BENCH = {"bench_0.5b_bf16_lora": ["--shape", "qwen2.5-0.5b", "--lora-r", "16"],
+T4_STEP_TARGET_S = 7.0                # a T4-rehearsal step on an H100/H200 (issue 38)
+T4_PEAK_TARGET_MIB = 13500            # the rehearsal's peak under the 15,360 MiB cap
+T4_RECIPE_STEPS = 250                 # the shipped recipe's max_steps, projected from the rehearsal's seconds a step
+T4_RECIPE_TARGET_MIN = 30.0
+ENGINE_GENERATION_SPEEDUP = 5.0       # the static engine's generation against generate's, 0.5B bf16 LoRA
+ENGINE_STEP_RATIO = 0.3               # its step against TRL's
+QLORA_STEP_RATIO = 0.5                # 1.5B QLoRA: step against TRL's (peak memory at most TRL's)
+
+IN_PROCESS = ("cuda_tests", "engine_0.5b_bf16_lora", "bench_1.5b_qlora", "demo")   # the others import torch: a child each
+# name: (budget on a GPU, budget in the dry mode), seconds; most valuable first. A new stage goes at the end.
+STAGES = {"environment": (15, 30),
+          "t4_rehearsal": (115, 60),
+          "engine_0.5b_bf16_lora": (90, 120),
+          "bench_1.5b_qlora": (65, 60),
+          "cuda_tests": (45, 60)}
+OPTIONAL_STAGES = {"demo": (60, 60), "sharded": (120, 150)}   # run only when named with --only
+MAX_BUDGET_S = 330                         # the default budget at most: one call of 6 minutes with the install
+BENCH = {"engine_0.5b_bf16_lora": ["--shape", "qwen2.5-0.5b", "--lora-r", "16"],
          "bench_1.5b_qlora": ["--shape", "qwen2.5-1.5b", "--lora-r", "16", "--load-in-4bit"]}
 BENCH_SIZES = {False: ["--pd", "16", "-G", "8", "--prompt-length", "64", "--completion-length", "128", "--steps", "3"],
                True: ["--shape", "tiny", "--lora-r", "4", "--pd", "4", "-G", "2", "--prompt-length", "16",
@@ -133,36 +151,97 @@ def stage_cuda_tests(dry: bool, work: Path, deadline: float) -> dict:
     checks = [check("pytest finished within its budget", code is not None, f"exit status {code}"),
               check("tests ran", sum(counts.values()) > 0, json.dumps(counts)),
               check("no test failed", counts["failed"] + counts["error"] == 0, ", ".join(list(failures)[:10]))]
-    return {"figures": figures, "checks": checks}
+    return {"figures": figures, "checks": checks, **({"ended": "timeout"} if code is None else {})}
 
 
-def stage_bench(name: str, dry: bool, work: Path, deadline: float) -> dict:
-    "`grpo-lab bench` at one shape, against TRL where it imports; one run each, figures from bench.json."
-    from importlib.util import find_spec
-    out = work / "bench"
+def _bench(name: str, engine: str, with_trl: bool, dry: bool, work: Path, deadline: float) -> tuple[dict | None, str]:
+    "One `grpo-lab bench` at the stage's shape with grpo-lab's `engine`: its bench.json (None if it did not finish), how it ended."
+    out = work / f"bench-{engine}"
     shape = [] if dry else BENCH[name]
     extra = ["--load-in-4bit"] if dry and "qlora" in name else []
     command = [sys.executable, "-m", "grpo_lab.bench", *shape, *BENCH_SIZES[dry], *extra, "--fixed-length",
-               "--repeats", "1", "--quiet", "--output-dir", str(out)]
-    trl = find_spec("trl") is not None and not (dry and "qlora" in name)    # dry: TRL's path is run once, not twice
-    if not trl:
+               "--generation-engine", engine, "--repeats", "1", "--quiet", "--output-dir", str(out)]
+    if not with_trl:
         command.append("--no-trl")
-    code, output = _run(command, work / "bench.log", deadline - 3)
-    if code != 0 or not (out / "bench.json").exists():
-        raise RuntimeError(f"grpo-lab bench {'ran out of time' if code is None else f'exited {code}'}:\n{output[-3000:]}")
-    result = json.loads((out / "bench.json").read_text())
-    keys = ("total", "generation", "forward", "backward_update", "tokens_per_s", "peak_memory_mib")
-    figures = {"description": result["description"], "trl": result["trl"], "memory_kind": result["runs"][0]["memory_kind"],
-               **{kind: {k: round(row[k], 4) for k in keys} for kind, row in result["summary"].items() if kind != "ratio"}}
-    ratio = result["summary"].get("ratio")
-    if ratio:
-        figures["ratio"] = {k: None if ratio[k] is None else round(ratio[k], 3) for k in keys}
-    memory = ratio and ratio["peak_memory_mib"]
-    checks = [check("grpo-lab ran every step", len(result["runs"][0]["steps"]) == result["settings"]["steps"]),
-              check("compared with TRL", None if dry and not trl else bool(ratio), result["trl"]),
-              check(f"peak memory <= {MEMORY_RATIO_LIMIT}x TRL's", None if dry or not memory else memory <= MEMORY_RATIO_LIMIT,
-                    f"{memory:.3f}x" if memory else "no TRL run" if not dry else "dry mode: RSS, not GPU memory")]
-    return {"figures": figures, "checks": checks}
+    (work / "tmp").mkdir(exist_ok=True)             # the bench's scratch folder: its finished runs stay readable
+    code, output = _run(command, work / f"bench-{engine}.log", deadline - 3, env={"TMPDIR": str(work / "tmp")})
+    if code == 0 and (out / "bench.json").exists():
+        return json.loads((out / "bench.json").read_text()), "finished"
+    return None, "ran out of time" if code is None else f"exited {code}: {output[-1500:]}"
+
+
+def finished_runs(work: Path) -> list[dict]:
+    "What a stage's unfinished bench left: each trainer run it finished, with its steps, seconds a step and peak memory."
+    runs = []
+    for path in sorted(work.glob("tmp/grpo-lab-bench-*/*-[0-9].json")):
+        run = json.loads(path.read_text())
+        runs.append({"trainer": run["trainer"], "steps_done": len(run["steps"]),
+                     "seconds_a_step": [round(step["total"], 3) for step in run["steps"]],
+                     "peak_memory_mib": round(run["peak_memory_mib"])})
+    return runs
+
+
+def progress(work: Path) -> dict:
+    "What a stage measured before it ran out of time: the T4 rehearsal's steps so far, the bench runs it finished."
+    path = work / "progress.json"
+    found = json.loads(path.read_text()) if path.exists() else {}
+    runs = finished_runs(work)
+    return {**found, **({"finished_bench_runs": runs} if runs else {})}
+
+
+BENCH_KEYS = ("total", "generation", "forward", "backward_update", "tokens_per_s", "peak_memory_mib")
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    return round(a[key] / b[key], 3) if a and b and b[key] else None
+
+
+def stage_bench(name: str, dry: bool, work: Path, deadline: float) -> dict:
+    """`grpo-lab bench` at one shape against TRL where it imports (one run each); the engine stage then runs grpo-lab
+    again with `generate`. Figures from bench.json; a bench that runs out of time leaves the runs it finished."""
+    from importlib.util import find_spec
+    trl = find_spec("trl") is not None and not (dry and "qlora" in name)    # dry: TRL's path is run once, not twice
+    engine_stage = name.startswith("engine_")
+    plan = [("static", trl), ("generate", False)] if engine_stage else [("auto", trl)]
+    results, ended = {}, {}
+    for engine, with_trl in plan:
+        result, ended[engine] = _bench(name, engine, with_trl, dry, work, deadline)
+        if result is None:
+            break
+        results[engine] = result
+    rows = {}
+    for engine, result in results.items():
+        for kind, row in result["summary"].items():
+            if kind != "ratio":
+                rows[kind if kind == "trl" else f"grpo-lab {engine}"] = {k: round(row[k], 4) for k in BENCH_KEYS}
+    first = next(iter(results.values()), None)
+    figures = {"description": first and first["description"], "trl_status": first and first["trl"], "ended": ended, **rows}
+    lab, trl_row = rows.get("grpo-lab static" if engine_stage else "grpo-lab auto"), rows.get("trl")
+    figures["step_over_trl"] = _ratio(lab, trl_row, "total")
+    figures["peak_memory_over_trl"] = _ratio(lab, trl_row, "peak_memory_mib")
+    done = all(how == "finished" for how in ended.values()) and len(ended) == len(plan)
+    checks = [check("every bench run finished within the budget", done, json.dumps(ended)[:400]),
+              check("compared with TRL", None if dry and not trl else trl_row is not None, str(figures["trl_status"]))]
+    if engine_stage:
+        generate = rows.get("grpo-lab generate")
+        speedup = _ratio(generate, lab, "generation")
+        figures["generation_speedup_over_generate"] = speedup
+        if lab and first:
+            figures["decode_ms_a_token"] = round(1000 * lab["generation"] / first["settings"]["completion_length"], 2)
+        checks += [check(f"generation >= {ENGINE_GENERATION_SPEEDUP}x faster than generate",
+                         None if dry or speedup is None else speedup >= ENGINE_GENERATION_SPEEDUP, f"{speedup}x"),
+                   check(f"step <= {ENGINE_STEP_RATIO}x TRL's", None if dry or figures["step_over_trl"] is None
+                         else figures["step_over_trl"] <= ENGINE_STEP_RATIO, f"{figures['step_over_trl']}x")]
+    else:
+        memory = figures["peak_memory_over_trl"]
+        checks += [check("peak memory <= TRL's", None if dry or memory is None else memory <= 1.0,
+                         f"{memory}x" if memory else "no TRL run" if not dry else "dry mode: RSS, not GPU memory"),
+                   check(f"step <= {QLORA_STEP_RATIO}x TRL's", None if dry or figures["step_over_trl"] is None
+                         else figures["step_over_trl"] <= QLORA_STEP_RATIO, f"{figures['step_over_trl']}x")]
+    if not done:
+        figures["partial"] = progress(work)
+    timed_out = all(how in ("finished", "ran out of time") for how in ended.values())
+    return {"figures": figures, "checks": checks, **({} if done else {"ended": "timeout" if timed_out else "failed"})}
 
 
 def _t4_model(dry: bool, folder: Path):
@@ -194,8 +273,38 @@ def _gsm8k_like(tokenizer, path: Path, rows: int, words: int):
             f.write(json.dumps({"question": question, "answer": f"w1 w2 w3\n#### {rng.randint(1, 999)}"}) + "\n")
 
 
+def _progress_callback(path: Path, deadline: float, cuda: bool):
+    """A callback that writes what the run measured after each step (steps done, seconds a step, peak memory) to
+    `path`, and stops the run when the next step would not end before `deadline`, so that the stage still reports.
+    GPU_CHECK_DEADLINE_AFTER_STEPS=N makes the deadline count as reached after N steps (the dry test's way in)."""
+    import torch
+    from transformers import TrainerCallback
+    from grpo_lab.bench import peak_memory_mib
+    stop_after = int(os.environ.get("GPU_CHECK_DEADLINE_AFTER_STEPS", "0")) or None
+
+    class Progress(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.stopped, self.last = [], False, time.time()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.time()
+            self.seconds.append(round(now - self.last, 2))
+            self.last = now
+            peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_memory_mib()[0]
+            path.write_text(json.dumps({"steps_done": state.global_step, "seconds_a_step": self.seconds,
+                                        "peak_memory_mib": round(peak)}))
+            next_step_late = now + 1.2 * self.seconds[-1] > deadline - 15
+            if state.global_step < state.max_steps and (next_step_late or (stop_after and state.global_step >= stop_after)):
+                self.stopped = control.should_training_stop = True
+    return Progress()
+
+
 def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
-    "The shipped T4 run, a few steps, with the GPU answering as a T4 (capability 7.5, no bf16); its peak memory."
+    """The shipped T4 run at its own shapes, a few steps, with the GPU answering as a T4 does (capability 7.5, no bf16)
+    and the process capped at the T4's memory; seconds a step, its peak memory, the recipe's 250 steps projected."""
     import torch
     from grpo_lab.cli import load_run, resolve_reward
     from grpo_lab.data import format_gsm8k
@@ -205,9 +314,11 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     if cuda:           # what a T4 answers: grpo-lab then takes the T4's path (fp16 compute for the 4-bit layers)
         torch.cuda.get_device_capability = lambda *a, **k: (7, 5)
         torch.cuda.is_bf16_supported = lambda *a, **k: False
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY_MIB * 2**20 / total))    # "fits a T4", tested
     config, tokenizer = _t4_model(dry, work / "model")
     _gsm8k_like(tokenizer, work / "gsm8k.jsonl", rows=64, words=40 if dry else 240)
-    overrides = {"output_dir": str(work / "out"), "max_steps": "1" if dry else "2", "save_strategy": "no",
+    overrides = {"output_dir": str(work / "out"), "max_steps": "2" if dry else "3", "save_strategy": "no",
                  "logging_steps": "1", "report_to": "none", "disable_tqdm": "true"}
     if dry:            # fp16 autocast needs CUDA; the rest of the run as shipped, at tiny lengths
         overrides.update(fp16="false", use_cpu="true", max_prompt_length="32", max_completion_length="8",
@@ -220,6 +331,8 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     started = time.time()
     trainer = GRPOTrainer(str(work / "model"), [resolve_reward(r) for r in rewards], args=args, train_dataset=dataset,
                           processing_class=tokenizer, **shortcuts)
+    progress_callback = _progress_callback(work / "progress.json", deadline, cuda)
+    trainer.add_callback(progress_callback)
     trainer.train()
     seconds = time.time() - started
     if cuda:
@@ -227,28 +340,46 @@ def stage_t4_rehearsal(dry: bool, work: Path, deadline: float) -> dict:
     else:
         from grpo_lab.bench import peak_memory_mib
         peak, kind = peak_memory_mib()
+    engine = type(trainer.engine).__name__
+    merged_copy = bool(getattr(trainer.engine, "merged_copy", False))
     estimate = estimate_memory(config or model_config("Qwen/Qwen2.5-0.5B-Instruct"), load_in_4bit=True, lora_r=shortcuts["lora_r"],
                                num_generations=args.num_generations,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length,
-                               gradient_checkpointing=args.gradient_checkpointing).total * 1024
+                               gradient_checkpointing=args.gradient_checkpointing, generation_copy=merged_copy,
+                               static_cache=engine == "StaticCacheEngine",
+                               generation_rows=trainer.plan.generation_batch_size).total * 1024
     compute = sorted({str(m.compute_dtype).removeprefix("torch.") for m in trainer.model.modules() if hasattr(m, "compute_dtype")})
     losses = [h["loss"] for h in trainer.history]
+    step_seconds = progress_callback.seconds
+    warm = step_seconds[1:] or step_seconds               # the first step compiles and captures the decode step
+    per_step = sum(warm) / len(warm) if warm else math.nan
+    projected = T4_RECIPE_STEPS * per_step / 60
     figures = {"model": model_name + (" (random weights, local)" if not dry else " (dry: tiny random Qwen2)"),
-               "dataset": f"local GSM8K-shaped file, 64 rows (the shipped run reads {dataset_spec['source']})", "steps": trainer.state.global_step, "losses": losses,
+               "dataset": f"local GSM8K-shaped file, 64 rows (the shipped run reads {dataset_spec['source']})",
+               "engine": engine, "merged_copy": merged_copy, "steps": trainer.state.global_step,
+               "max_steps": args.max_steps, "seconds_a_step": step_seconds, "seconds_a_step_after_first": round(per_step, 2),
+               "projected_minutes_for_250_steps": round(projected, 1), "losses": losses,
                "seconds": round(seconds, 1), "peak_memory_mib": round(peak), "memory_kind": kind,
                "t4_limit_mib": T4_MEMORY_MIB, "estimate_mib": round(estimate),
                "estimate_over_measured": round(estimate / peak, 3), "bf16": args.bf16, "fp16": args.fp16,
                "compute_dtypes_4bit": compute, "lengths": f"{args.max_prompt_length}+{args.max_completion_length}",
                "completions_per_micro_step": args.per_device_train_batch_size,
                "gradient_accumulation_steps": args.gradient_accumulation_steps}
-    checks = [check("trained with finite losses", losses and all(math.isfinite(x) for x in losses), str(losses)),
+    checks = [check("ran every step within the budget", not progress_callback.stopped,
+                    f"{trainer.state.global_step} of {args.max_steps} steps"),
+              check("trained with finite losses", losses and all(math.isfinite(x) for x in losses), str(losses)),
               check("T4 path: fp16 compute, bf16 off", None if dry else (compute == ["float16"] and not args.bf16 and args.fp16),
                     f"compute {compute}, bf16={args.bf16}, fp16={args.fp16}"),
-              check(f"peak memory under the T4's {T4_MEMORY_MIB} MiB", None if dry else peak < T4_MEMORY_MIB, f"{peak:.0f} MiB"),
+              check(f"a step <= {T4_STEP_TARGET_S:.0f} s (after the first)", None if dry else per_step <= T4_STEP_TARGET_S,
+                    f"{per_step:.2f} s"),
+              check(f"peak memory <= {T4_PEAK_TARGET_MIB} MiB (under the T4's {T4_MEMORY_MIB})",
+                    None if dry else peak <= T4_PEAK_TARGET_MIB, f"{peak:.0f} MiB"),
               check(f"estimate_memory within {ESTIMATE_RTOL:.0%} of the peak",
-                    None if dry else abs(estimate / peak - 1) <= ESTIMATE_RTOL, f"estimate {estimate:.0f} MiB, peak {peak:.0f} MiB")]
-    return {"figures": figures, "checks": checks}
+                    None if dry else abs(estimate / peak - 1) <= ESTIMATE_RTOL, f"estimate {estimate:.0f} MiB, peak {peak:.0f} MiB"),
+              check(f"the recipe's {T4_RECIPE_STEPS} steps projected <= {T4_RECIPE_TARGET_MIN:.0f} min",
+                    None if dry else projected <= T4_RECIPE_TARGET_MIN, f"{projected:.1f} min")]
+    return {"figures": figures, "checks": checks, **({"ended": "timeout"} if progress_callback.stopped else {})}
 
 
 def stage_demo(dry: bool, work: Path, deadline: float) -> dict:
@@ -325,8 +456,11 @@ def stage_sharded(dry: bool, work: Path, deadline: float) -> dict:
     return {"figures": figures, "checks": checks}
 
 
+ALL_STAGES = {**STAGES, **OPTIONAL_STAGES}
+
+
 def run_stage(name: str, dry: bool, work: Path, deadline: float) -> dict:
-    if name.startswith("bench_"):
+    if name in BENCH:
         return stage_bench(name, dry, work, deadline)
     return globals()[f"stage_{name}"](dry, work, deadline)
 
@@ -338,7 +472,7 @@ def drive(names: list[str], dry: bool, work: Path, budget: float) -> list[dict]:
     end, results = time.time() + budget, []
     for name in names:
         left = end - time.time()
-        stage_budget = min(STAGES[name][1 if dry else 0], left - 5)
+        stage_budget = min(ALL_STAGES[name][1 if dry else 0], left - 5)
         folder = work / name
         folder.mkdir(parents=True, exist_ok=True)
         record = {"name": name, "budget_s": round(max(stage_budget, 0)), "seconds": 0.0, "figures": {}, "checks": []}
@@ -364,13 +498,16 @@ def drive(names: list[str], dry: bool, work: Path, budget: float) -> list[dict]:
         record["seconds"] = round(time.time() - started, 1)
         if result_file.exists():
             record.update(json.loads(result_file.read_text()))
-        if code is None:
+        if code is None:                    # killed at its deadline: what it measured so far
+            record["figures"] = {**record["figures"], "partial": progress(folder)}
             record.update(status="timeout", error=f"stopped after {stage_budget:.0f} s: {output[-1500:]}")
         elif code != 0 or not result_file.exists():
             record.update(status="failed", error=record.get("error") or f"exit {code}: {output[-1500:]}")
         else:
             failed = [c["name"] for c in record["checks"] if c["ok"] is False]
-            record.update(status="failed" if failed else "passed", error=f"checks failed: {failed}" if failed else None)
+            ended = record.pop("ended", None)          # a stage that stopped itself to report in time: "timeout"
+            record.update(status=ended or ("failed" if failed else "passed"),
+                          error=f"checks failed: {failed}" if failed else None)
         print(f"[gpu-check] {name}: {record['status']} in {record['seconds']} s", flush=True)
         results.append(record)
     return results
@@ -407,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="where the report goes")
     p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY") == "1",
                    help="the same stages at tiny shapes on the CPU (also GPU_CHECK_DRY=1)")
-    p.add_argument("--budget", type=float, default=None, help="seconds for all stages (default 450 on a GPU, 300 dry)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for all stages (default: their budgets' sum, "
+                   "330 on a GPU and dry)")
     p.add_argument("--only", default=None, help="comma-separated stage names (default: all, in order)")
     p.add_argument("--keep-work", action="store_true", help="keep the stages' folders (models, runs) under --out/work")
     p.add_argument("--stage", help=argparse.SUPPRESS)
@@ -420,10 +558,10 @@ def main(argv: list[str] | None = None) -> int:
         (work / "result.json").write_text(json.dumps(result, indent=1, default=str))
         return 0
     names = a.only.split(",") if a.only else list(STAGES)
-    unknown = [n for n in names if n not in STAGES]
+    unknown = [n for n in names if n not in ALL_STAGES]
     if unknown:
-        p.error(f"unknown stage(s) {unknown}: pick from {list(STAGES)}")
-    budget = a.budget or (300 if a.dry_run else 450)
+        p.error(f"unknown stage(s) {unknown}: pick from {list(ALL_STAGES)}")
+    budget = a.budget or min(MAX_BUDGET_S, sum(budgets[1 if a.dry_run else 0] for budgets in STAGES.values()))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

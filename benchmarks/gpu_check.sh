@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# grpo-lab's GPU check in one call, on a bare GPU machine with no network (at most 8 minutes):
+# grpo-lab's GPU check in one call, on a bare GPU machine with no network (under 6 minutes):
 #
 #   bash benchmarks/gpu_check.sh [--out DIR]          # DIR defaults to $OUT if set, else runs/gpu-check
 #   bash benchmarks/gpu_check.sh --dry-run            # the same stages at tiny shapes on a CPU (or GPU_CHECK_DRY=1)
@@ -7,8 +7,10 @@
 # 1. Installs what the machine lacks (bitsandbytes, datasets + dill + multiprocess, trl, fastcore) from the wheels
 #    in .gpu-wheels/ beside the checkout (built by benchmarks/gpu_wheels.sh where a package index is reachable) into a
 #    scratch folder put on PYTHONPATH; packages that already import are left alone.
-# 2. Runs benchmarks/gpu_check.py: CUDA tests, grpo-lab bench against TRL at the 0.5B and 1.5B shapes, the T4
-#    rehearsal and the demo, each under a time budget; writes report.json, report.md and gpu-check-logs.tar.gz.
+# 2. Runs benchmarks/gpu_check.py, most valuable stage first: the T4 rehearsal (capped at a T4's memory), the static
+#    engine against generate and TRL at the 0.5B shape, 1.5B QLoRA against TRL, the CUDA tests; each under a time
+#    budget, a stage out of time reporting what it measured so far; writes report.json, report.md and
+#    gpu-check-logs.tar.gz.
 # Any other arguments go to gpu_check.py (--only STAGE,..., --budget SECONDS, --keep-work).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -58,6 +58,7 @@ class BenchSettings:
     seed: int = 0
     threads: int | None = None          # torch CPU threads; None keeps torch's default
     fixed_length: bool = False          # every completion exactly completion_length tokens (min_new_tokens): equal work
+    generation_engine: str = "auto"     # grpo-lab's engine without vLLM (06o_static); TRL samples with generate
 
     def __post_init__(self):
         if self.shape not in SHAPES:
@@ -76,7 +77,8 @@ class BenchSettings:
                 f"{self.gradient_accumulation_steps} accumulation (G={self.num_generations}), prompts of "
                 f"{self.prompt_length} tokens, completions {'of exactly' if self.fixed_length else 'up to'} "
                 f"{self.completion_length}, loss {self.loss_type}, "
-                f"beta {self.beta}, {self.steps} steps")
+                f"beta {self.beta}, {self.steps} steps"
+                + (f", grpo-lab's generation_engine={self.generation_engine}" if self.generation_engine != "auto" else ""))
 
 # %% ../nbs/10_bench.ipynb
 BENCH_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -261,7 +263,8 @@ def _make_trainer(kind: str, s: BenchSettings, model_dir: Path, dataset, output_
     args = _common_args(s, output_dir, cuda)
     if kind == "grpo-lab":
         from grpo_lab.trainer import GRPOConfig, GRPOTrainer
-        return GRPOTrainer(str(model_dir), even_token_reward, args=GRPOConfig(**args), train_dataset=dataset,
+        return GRPOTrainer(str(model_dir), even_token_reward, args=GRPOConfig(**args, generation_engine=s.generation_engine),
+                           train_dataset=dataset,
                            processing_class=load_tokenizer(model_dir), lora_r=s.lora_r,
                            lora_alpha=2 * s.lora_r if s.lora_r else None, load_in_4bit=s.load_in_4bit)
     from peft import LoraConfig
@@ -465,6 +468,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--fixed-length", action="store_true",
                    help="every completion exactly --completion-length tokens in both trainers (EOS held back), so "
                         "that both do the same work whatever they sample")
+    p.add_argument("--generation-engine", choices=["auto", "generate", "static"], default="auto",
+                   help="grpo-lab's engine (GRPOConfig.generation_engine); auto: the static-cache engine on CUDA")
     p.add_argument("--repeats", type=int, default=2, help="runs per trainer, alternated (grpo-lab, TRL, grpo-lab, TRL, ...)")
     p.add_argument("--output-dir", default="runs/bench", help="where bench.json and bench.png go")
     p.add_argument("--trl-python", default=None, help="a Python that can import TRL and grpo_lab (default: this one if it has TRL, else $GRPO_LAB_TRL_PYTHON)")

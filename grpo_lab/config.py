@@ -128,6 +128,7 @@ class GRPOConfig(TrainingArguments):
     # grpo-lab's own
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
+    generation_engine: str = "auto"        # without vLLM: "static" (06o_static), "generate", or "auto" (static on CUDA)
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
@@ -228,6 +229,8 @@ def _check_ranges(cfg) -> None:
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
     check_vllm_config(cfg)
+    _check(cfg.generation_engine in ("auto", "generate", "static"), f"generation_engine={cfg.generation_engine!r}: choose "
+           "'auto' (the static-cache engine on CUDA, generate on a CPU), 'static' or 'generate'.")
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")
     _check(0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]; 1.0 turns nucleus sampling off.")
     _check(cfg.max_completion_length is not None and cfg.max_completion_length >= 1,

@@ -91,14 +91,19 @@ class MemoryEstimate:
     activations: float
     logits: float
     kv_cache: float
+    generation_copy: float = 0.0        # the static engine's merged half-precision copy (06o_static)
+    static_cache: float = 0.0           # the static engine's KV cache, held through the update
     settings: dict = field(default_factory=dict)
 
     @property
     def total(self) -> float:
-        return self.weights + self.lora_and_optimizer + max(self.activations + self.logits, self.kv_cache)
+        held = self.weights + self.lora_and_optimizer + self.generation_copy + self.static_cache
+        return held + max(self.activations + self.logits, self.kv_cache)
 
     def as_dict(self) -> dict:
+        "The parts and the total (the static engine's two parts only when there are any)."
         parts = {k: v for k, v in asdict(self).items() if k != "settings"}
+        parts = {k: v for k, v in parts.items() if v or k not in ("generation_copy", "static_cache")}
         return {**parts, "total": self.total}
 
     def __getitem__(self, key: str) -> float:
@@ -113,8 +118,11 @@ class MemoryEstimate:
 def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: int | None = 16,
                     num_generations: int = 8, per_device_train_batch_size: int = 8, max_prompt_length: int = 256,
                     max_completion_length: int = 256, gradient_checkpointing: bool = True, dtype_bytes: int = 2,
-                    chunked_logps: bool = True) -> MemoryEstimate:
-    "Estimate the GPU memory of a GRPO step for a model (config, hub id, or path) and training settings."
+                    chunked_logps: bool = True, generation_copy: bool = False, static_cache: bool = False,
+                    generation_rows: int | None = None) -> MemoryEstimate:
+    """Estimate the GPU memory of a GRPO step for a model (config, hub id, or path) and training settings.
+    `generation_copy`, `static_cache`: the static engine's merged copy and KV cache (06o_static) for `generation_rows`
+    completions sampled together (None: `max(per_device_train_batch_size, num_generations)`)."""
     if load_in_4bit and lora_r is None:
         raise ValueError("load_in_4bit=True with lora_r=None: a 4-bit base trains through LoRA; pass lora_r (e.g. 16).")
     s = _Shapes.of(model_config(model_config_or_name))
@@ -134,21 +142,28 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
     tile = min(LM_HEAD_TILE_ELEMENTS, logit_values)     # the head's tiles: logits, their softmax and gradients, fp32
     logits = 5 * tile * 4 if chunked_logps else logit_values * (b + 8)
     unique_prompts = max(1, tokens // num_generations)  # the shared prefill runs the head once per prompt
-    kv_cache = (max(tokens, num_generations) * seq * s.layers * 2 * s.kv_heads * s.head_dim * b
-                + unique_prompts * s.vocab * s.hidden * b)
+    rows = generation_rows or max(tokens, num_generations)
+    kv_per_token = s.layers * 2 * s.kv_heads * s.head_dim * b
+    cached = unique_prompts * max_prompt_length if static_cache else rows * seq      # the static engine: prefill only
+    kv_cache = cached * kv_per_token + unique_prompts * s.vocab * s.hidden * b
+    copy = s.parameters * b if generation_copy else 0
+    static = rows * (-(-seq // 64) * 64) * kv_per_token if static_cache else 0
     settings = dict(model=getattr(model_config_or_name, "name_or_path", str(model_config_or_name)).split("/")[-1],
                     load_in_4bit=load_in_4bit, lora_r=lora_r, completions=tokens,
                     tokens=f"{max_prompt_length}+{max_completion_length}", gradient_checkpointing=gradient_checkpointing)
-    return MemoryEstimate(weights / GIB, trainable / GIB, activations / GIB, logits / GIB, kv_cache / GIB, settings)
+    settings.update({k: True for k, on in (("generation_copy", generation_copy), ("static_cache", static_cache)) if on})
+    return MemoryEstimate(weights / GIB, trainable / GIB, activations / GIB, logits / GIB, kv_cache / GIB, copy / GIB,
+                          static / GIB, settings)
 
 # %% ../nbs/05a_memory.ipynb
 def plot_memory(estimates: dict, limit_gib: float | None = None, ax=None):
     "Stacked bars of `MemoryEstimate`s by part (update phase), with an optional memory limit line."
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(6, 3))[1]
-    parts, bottom = ("weights", "lora_and_optimizer", "activations", "logits"), [0.0] * len(estimates)
+    held = [p for p in ("generation_copy", "static_cache") if any(p in e.as_dict() for e in estimates.values())]
+    parts, bottom = ("weights", "lora_and_optimizer", *held, "activations", "logits"), [0.0] * len(estimates)
     for part in parts:
-        values = [e[part] for e in estimates.values()]
+        values = [e.as_dict().get(part, 0.0) for e in estimates.values()]
         ax.bar(list(estimates), values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
     if limit_gib:

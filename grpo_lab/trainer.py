@@ -200,7 +200,7 @@ def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
 # %% ../nbs/06_trainer.ipynb
 def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
                 environment_factory=None) -> RolloutEngine:
-    "The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or shared-prefill `generate`."
+    "The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or `default_engine` (06o)."
     args, tokenizer = trainer.args, trainer.processing_class
     agentic = bool(tools) or environment_factory is not None
     if engine is not None and (agentic or rollout_func is not None):
@@ -224,7 +224,8 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
                               max_tool_calling_iterations=args.max_tool_calling_iterations)
     if args.use_transformers_continuous_batching or args.use_transformers_paged:   # TRL's switch (and its old name)
         return ContinuousBatchingEngine(tokenizer, trainer.accelerator.device, args.transformers_continuous_batching_config)
-    return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=None)
+    from grpo_lab.static_engine import default_engine    # the static-cache engine on CUDA, generate on a CPU
+    return default_engine(trainer, model)
 
 # %% ../nbs/06_trainer.ipynb
 @patch

@@ -187,7 +187,7 @@ def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     ...
 
 def make_engine(trainer, model, engine: RolloutEngine | None=None, *, tools=None, rollout_func=None, environment_factory=None) -> RolloutEngine:
-    """The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or shared-prefill `generate`."""
+    """The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or `default_engine` (06o)."""
     ...
 
 def _completions(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Completions:

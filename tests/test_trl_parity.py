@@ -7,7 +7,7 @@ from grpo_lab import GRPOConfig
 
 trl = pytest.importorskip("trl")
 
-GRPO_LAB_ONLY = {"max_prompt_length", "vllm_dtype", "overwrite_output_dir"}
+GRPO_LAB_ONLY = {"max_prompt_length", "vllm_dtype", "overwrite_output_dir", "generation_engine"}
 
 
 def defaults(cls) -> dict:
