@@ -18,7 +18,7 @@ from .batching import check_num_generations, short_repr
 from .loss import IS_MODES, check_importance_sampling_level, check_loss_type
 
 # %% auto 0
-__all__ = ['REFUSED_OPTIONS', 'GRPOConfig', 'check_vllm_config', 'is_clip_max', 'as_dict']
+__all__ = ['REFUSED_OPTIONS', 'WITHOUT_EFFECT', 'GRPOConfig', 'check_vllm_config', 'is_clip_max', 'as_dict']
 
 # %% ../nbs/06a_config.ipynb
 @dataclass
@@ -27,8 +27,9 @@ class GRPOConfig(TrainingArguments):
 
     Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
     `max_prompt_length` (cut prompts from the left) is grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
-    `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS` raise a
-    `ValueError` when set, and `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
+    `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
+    raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
+    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
     # the dict options TrainingArguments reads from JSON text (a command line, a YAML string), TRL's list
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
         "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]
@@ -175,6 +176,15 @@ REFUSED_OPTIONS = {
     "label_smoothing_factor": "label smoothing does not apply to the GRPO loss",
     "auto_find_batch_size": "halving the batch on out-of-memory would break whole prompt groups; lower per_device_train_batch_size",
     "remove_unused_columns": "grpo-lab passes every dataset column to the reward functions (TRL's default, False)",
+    "log_unique_prompts": "it filters TRL's completions table in wandb/trackio, which grpo-lab does not log; the "
+                          "completions are in output_dir/completions/*.parquet (pandas: df.drop_duplicates('prompt'))",
+}
+
+# TRL fields with nothing to act on in grpo-lab: accepted at any value, with the reason (a test checks every field
+# of GRPOConfig is read somewhere, refused, or listed here)
+WITHOUT_EFFECT = {
+    "log_multimodal": "it logs the images of multimodal prompts; grpo-lab trains text models and refuses images, so "
+                      "there is nothing to log (TRL with a text model ignores it the same way)",
 }
 
 
