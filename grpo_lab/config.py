@@ -26,7 +26,8 @@ class GRPOConfig(TrainingArguments):
     """Everything a GRPO run needs besides the model, the rewards and the data: TRL 1.16's `GRPOConfig`.
 
     Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
-    `max_prompt_length` (cut prompts from the left) is grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
+    `max_prompt_length` (cut prompts from the left) and `log_format` (a line per log; "trl" prints TRL's dicts) are
+    grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
     `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
     raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
     `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
@@ -129,6 +130,7 @@ class GRPOConfig(TrainingArguments):
     # grpo-lab's own
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
+    log_format: str = "compact"            # the terminal: a line per log (06k_logs), or "trl": TRL's printed dicts
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
@@ -363,6 +365,8 @@ def _check_values(cfg) -> None:
         _check(strategy != "steps" or steps is None or steps > 0,
                f"{kind}_steps={steps} with {kind}_strategy='steps': it must be > 0 (a number of optimizer steps, or "
                f"a fraction below 1 of the run); set {kind}_strategy='no' to turn it off.")
+    _check(cfg.log_format in ("compact", "trl"), f"log_format={short_repr(cfg.log_format)}: choose 'compact' (one line "
+           "per log and a progress bar) or 'trl' (TRL's printed dicts).")
     _check(cfg.top_k >= 0, f"top_k={cfg.top_k} must be >= 0: 0 turns top-k filtering off (vLLM writes that -1; "
            "grpo-lab and TRL write 0).")
     _check(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"min_p={cfg.min_p} must be in [0, 1] (0.01-0.2 is usual), or None.")

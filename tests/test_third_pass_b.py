@@ -1,6 +1,7 @@
 """Issue 41, items 2 and 6: the hub as TRL pushes to it (against a local stand-in for the hub's API), every
 GRPOConfig field read somewhere, and a run's terminal for people."""
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -18,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_args(out, **kw) -> GRPOConfig:
+    kw = {"disable_tqdm": True, "gradient_checkpointing": False, **kw}
     return GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
-                      learning_rate=1e-3, logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, **kw)
+                      learning_rate=1e-3, logging_steps=1, **kw)
 
 
 @pytest.fixture
@@ -171,3 +173,67 @@ def test_log_unique_prompts_is_refused_and_log_multimodal_explained():
     with pytest.raises(ValueError, match=r"log_unique_prompts=True is not supported .*drop_duplicates"):
         small_args("out-unused", log_unique_prompts=True)
     assert "refuses images" in WITHOUT_EFFECT["log_multimodal"]
+
+
+# --- a run's terminal ----------------------------------------------------------------------------------------------
+
+def _grpo_lab_deprecations(run) -> list[str]:
+    "Run `run()`; the FutureWarnings and DeprecationWarnings raised while grpo_lab code was on the stack."
+    import traceback
+    import warnings
+    package, found = str(ROOT / "grpo_lab"), []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(package)]
+        if issubclass(category, (FutureWarning, DeprecationWarning)) and ours:
+            found.append(f"{category.__name__}: {str(message)[:120]} (from {Path(ours[-1].filename).name}:{ours[-1].lineno})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        run()
+    return found
+
+
+def test_a_run_prints_a_bar_and_one_line_per_log_and_no_deprecation_of_its_own(tmp_path, capsys):
+    "TRL's 25-key dicts (every value a string), checkpoint bars and a FutureWarning made a wall (issue 41): now a line a log."
+    args = small_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, gradient_checkpointing=True,
+                      disable_tqdm=False)
+    trainer = []
+    deprecations = _grpo_lab_deprecations(lambda: trainer.append(
+        GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32), lora_r=8).train()))
+    assert deprecations == []       # it was: gradient_checkpointing_enable is deprecated (transformers 5.24)
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[2].startswith("done at step 2/2 | ") and "{" not in out
+    for step, line in enumerate(lines[:2], 1):
+        assert re.fullmatch(rf"step {step}/2 \| reward \d\.\d{{3}} ± \d\.\d{{3}} \| length \d+\.\d \| entropy \d\.\d{{3}} \| "
+                            r"\d+\.\d\d s/step", line), line
+    assert "Writing model shards" not in err and "2/2" in err          # the checkpoints' bars off; the run's bar there
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert min(len(entry) for entry in logged[:2]) >= 20                # the full metrics, as before
+
+
+def test_trls_printed_dicts_stay_one_setting_away(tmp_path, capsys):
+    GRPOTrainer(TINY, exact_answer, args=small_args(tmp_path, max_steps=1, log_format="trl"),
+                train_dataset=arithmetic_task(32)).train()
+    out = capsys.readouterr().out
+    assert out.startswith("{'loss': ") and "'reward_std': " in out
+    with pytest.raises(ValueError, match="log_format='dicts': choose 'compact'"):
+        small_args(tmp_path, log_format="dicts")
+
+
+def test_grpo_lab_demo_terminal_is_a_line_per_log_with_held_out_accuracy(tmp_path, capsys):
+    "`grpo-lab demo`: one bar, a line per log with the held-out accuracy where measured; no library bars."
+    from transformers.utils import logging as transformers_logging
+    from grpo_lab.cli import main
+    try:
+        assert main(["demo", "--steps", "1", "--eval-size", "20", "--eval-every", "1",
+                     "--output-dir", str(tmp_path / "demo")]) == 0
+    finally:
+        transformers_logging.enable_progress_bar()
+        import datasets
+        datasets.enable_progress_bars()
+    out, err = capsys.readouterr()
+    assert re.search(r"^step 1/1 \| reward .* \| held-out \d+\.\d% \| ", out, re.M) and "{'" not in out
+    assert "held-out greedy accuracy after 1 steps" in out
+    assert not re.search("Writing model shards|Loading weights|Filter", err)
