@@ -121,7 +121,7 @@ class GRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = None
     log_unique_prompts: bool = False
     log_completions_hub_repo: str | None = None
-    use_transformers_continuous_batching: bool = False
+    use_transformers_continuous_batching: bool = False   # opt-in engine; it passes no seed (10_bench)
     transformers_continuous_batching_config: dict | str | None = None
     use_transformers_paged: bool = False
     vllm_importance_sampling_cap: float | None = None
