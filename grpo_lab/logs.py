@@ -150,21 +150,21 @@ def compact_line(logs: dict, step: int, max_steps: int | None = None) -> str:
     where = f"step {step:>{len(str(max_steps))}}/{max_steps}" if max_steps else f"step {step}"
     if "train_runtime" in logs:
         per_step = 1 / logs["train_steps_per_second"] if logs.get("train_steps_per_second") else None
-        return " | ".join([f"done at {where}", f"{logs['train_runtime']:.1f} s" +
-                           (f" ({per_step:.2f} s/step)" if per_step else ""), f"train_loss {logs['train_loss']:.4g}"])
+        return f"[done, {where}] " + " | ".join([f"{logs['train_runtime']:.1f} s" + (
+            f" ({per_step:.2f} s/step)" if per_step else ""), f"train_loss {logs['train_loss']:.4g}"])
     evals = sorted(k[:-len("reward")] for k in logs if k.startswith("eval_") and k.endswith("reward"))
     if evals and "reward" not in logs:
-        return " | ".join([f"eval at {where}", *(f"{p[5:-1] + ': ' if p[5:] else ''}{' | '.join(_set_parts(logs, p))}"
-                                                for p in evals)])
-    parts = [where, *_set_parts(logs)]
+        return f"[eval, {where}] " + " | ".join(f"{p[5:-1] + ': ' if p[5:] else ''}{' | '.join(_set_parts(logs, p))}"
+                                                for p in evals)
+    parts = _set_parts(logs)
     held_out = next((logs[k] for k in HELD_OUT if logs.get(k) is not None), None)
     if held_out is not None:
         parts.append(f"held-out {held_out:.1%}")
     if logs.get("step_time") is not None:
         parts.append(f"{logs['step_time']:.2f} s/step")
-    if len(parts) == 1:         # another log (a callback's own metrics): its values, briefly
-        parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items() if k != "epoch"][:8]
-    return " | ".join(parts)
+    if not parts:               # another log (a callback's own metrics): its values, briefly
+        parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items() if k != "epoch"][:8]
+    return f"[{where}] " + " | ".join(parts)
 
 # %% ../nbs/06k_logs.ipynb
 class CompactPrinter(PrinterCallback):

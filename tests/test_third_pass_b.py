@@ -204,9 +204,9 @@ def test_a_run_prints_a_bar_and_one_line_per_log_and_no_deprecation_of_its_own(t
     assert deprecations == []       # it was: gradient_checkpointing_enable is deprecated (transformers 5.24)
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert len(lines) == 3 and lines[2].startswith("done at step 2/2 | ") and "{" not in out
+    assert len(lines) == 3 and lines[2].startswith("[done, step 2/2] ") and "{" not in out
     for step, line in enumerate(lines[:2], 1):
-        assert re.fullmatch(rf"step {step}/2 \| reward \d\.\d{{3}} ± \d\.\d{{3}} \| length \d+\.\d \| entropy \d\.\d{{3}} \| "
+        assert re.fullmatch(rf"\[step {step}/2\] reward \d\.\d{{3}} ± \d\.\d{{3}} \| length \d+\.\d \| entropy \d\.\d{{3}} \| "
                             r"\d+\.\d\d s/step", line), line
     assert "Writing model shards" not in err and "2/2" in err          # the checkpoints' bars off; the run's bar there
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -234,6 +234,6 @@ def test_grpo_lab_demo_terminal_is_a_line_per_log_with_held_out_accuracy(tmp_pat
         import datasets
         datasets.enable_progress_bars()
     out, err = capsys.readouterr()
-    assert re.search(r"^step 1/1 \| reward .* \| held-out \d+\.\d% \| ", out, re.M) and "{'" not in out
+    assert re.search(r"^\[step 1/1\] reward .* \| held-out \d+\.\d% \| ", out, re.M) and "{'" not in out
     assert "held-out greedy accuracy after 1 steps" in out
     assert not re.search("Writing model shards|Loading weights|Filter", err)
