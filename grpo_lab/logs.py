@@ -10,13 +10,17 @@ import math
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import speed_metrics
+from transformers.utils import logging as hf_logging
 
 from .checkpoint import inside
 
 # %% auto 0
-__all__ = ['STEP_ONLY', 'mean_metrics', 'append_metrics', 'completions_table', 'write_completions', 'print_samples',
-           'restart_logs', 'run_summary', 'update_best_metric', 'plot_history']
+__all__ = ['STEP_ONLY', 'HELD_OUT', 'mean_metrics', 'append_metrics', 'completions_table', 'write_completions', 'print_samples',
+           'restart_logs', 'run_summary', 'update_best_metric', 'plot_history', 'compact_line', 'CompactPrinter',
+           'CompactProgress']
 
 # %% ../nbs/06k_logs.ipynb
 def mean_metrics(window: list[dict]) -> dict:
@@ -121,3 +125,84 @@ def plot_history(history: list[dict], keys: list[str] | None = None, ncols: int 
         ax.axis("off")
     fig.tight_layout()
     return fig
+
+# %% ../nbs/06k_logs.ipynb
+HELD_OUT = ("eval/accuracy", "eval_accuracy")     # a held-out accuracy a callback logs (grpo-lab demo's is the first)
+
+
+def _set_parts(logs: dict, prefix: str = "") -> list[str]:
+    "reward ± std, length, and KL (or entropy) of one set of metrics: training (`''`) or an evaluation (`'eval_'`)."
+    get = lambda name: logs.get(prefix + name)
+    parts = []
+    if get("reward") is not None:
+        parts.append(f"reward {get('reward'):.3f}" + (f" ± {get('reward_std'):.3f}" if get("reward_std") is not None else ""))
+    if get("completions/mean_length") is not None:
+        parts.append(f"length {get('completions/mean_length'):.1f}")
+    if get("kl") is not None:
+        parts.append(f"kl {get('kl'):.4f}")
+    elif get("entropy") is not None:
+        parts.append(f"entropy {get('entropy'):.3f}")
+    return parts
+
+
+def compact_line(logs: dict, step: int, max_steps: int | None = None) -> str:
+    "One log entry as one line for a person: a training step, an evaluation, the run's summary, or any other log."
+    where = f"step {step:>{len(str(max_steps))}}/{max_steps}" if max_steps else f"step {step}"
+    if "train_runtime" in logs:
+        per_step = 1 / logs["train_steps_per_second"] if logs.get("train_steps_per_second") else None
+        return f"[done, {where}] " + " | ".join([f"{logs['train_runtime']:.1f} s" + (
+            f" ({per_step:.2f} s/step)" if per_step else ""), f"train_loss {logs['train_loss']:.4g}"])
+    evals = sorted(k[:-len("reward")] for k in logs if k.startswith("eval_") and k.endswith("reward"))
+    if evals and "reward" not in logs:
+        return f"[eval, {where}] " + " | ".join(f"{p[5:-1] + ': ' if p[5:] else ''}{' | '.join(_set_parts(logs, p))}"
+                                                for p in evals)
+    parts = _set_parts(logs)
+    held_out = next((logs[k] for k in HELD_OUT if logs.get(k) is not None), None)
+    if held_out is not None:
+        parts.append(f"held-out {held_out:.1%}")
+    if logs.get("step_time") is not None:
+        parts.append(f"{logs['step_time']:.2f} s/step")
+    if not parts:               # another log (a callback's own metrics): its values, briefly
+        parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items() if k != "epoch"][:8]
+    return f"[{where}] " + " | ".join(parts)
+
+# %% ../nbs/06k_logs.ipynb
+class CompactPrinter(PrinterCallback):
+    "One line per log (`compact_line`), printed by the main process; transformers' progress bars off while training."
+    bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bars_were_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()          # a checkpoint's "Writing model shards" bar, a reward model's ...
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            line = compact_line(logs, state.global_step, state.max_steps)
+            self.bar.write(line) if self.bar is not None else print(line, flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if getattr(self, "bars_were_on", False):
+            hf_logging.enable_progress_bar()
+
+
+class CompactProgress(ProgressCallback):
+    "One progress bar over the optimizer steps, with `CompactPrinter`'s line per log written above it."
+    def __init__(self):
+        super().__init__()
+        self.lines = CompactPrinter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.lines.on_train_begin(args, state, control)
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True, unit="step")
+        self.current_step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.lines.bar = self.training_bar
+        self.lines.on_log(args, state, control, logs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            self.training_bar.close()
+        self.training_bar = self.lines.bar = None
+        self.lines.on_train_end(args, state, control)

@@ -514,8 +514,11 @@ def _prepare_for_training(model, adapter, load_in_4bit: bool, gradient_checkpoin
             if not _is_peft_model(model):     # a PeftModel's own adapter stays trainable
                 model.requires_grad_(False)
             _keep_4bit_trainable(model)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if gradient_checkpointing:      # transformers 5.24 renamed it (the old name warns); older ones have the old name
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(checkpointing)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
             if adapter is not None or _is_peft_model(model):
                 model.enable_input_require_grads()
         if adapter is not None:

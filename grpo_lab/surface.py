@@ -13,11 +13,12 @@ from transformers import Trainer
 from transformers import trainer_pt_utils
 
 from .checkpoint import check_links, inside
+from .hub import _finish_current_push, _push_from_checkpoint, init_hf_repo, push_to_hub
 
 from .loss import vespo_weights
 
 # %% auto 0
-__all__ = ['REFUSED_METHODS', 'get_gamma_weights', 'TrainerSurface', 'create_model_card', 'init_hf_repo', 'push_to_hub']
+__all__ = ['REFUSED_METHODS', 'get_gamma_weights', 'TrainerSurface', 'create_model_card']
 
 # %% ../nbs/06j_surface.ipynb
 REFUSED_METHODS = {
@@ -54,6 +55,8 @@ def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling
 class TrainerSurface:
     "The `transformers.Trainer` methods TRL scripts call, written against grpo-lab's trainer state."
     get_gamma_weights = staticmethod(get_gamma_weights)     # TRL's static method (VESPO)
+    hub_model_id: str | None = None   # the repository pushes go to (06o_hub), once created
+    push_in_progress = None           # the uploads started at saves and not finished
     loss_is_scaled_for_ga = True      # the loss is already divided for accumulation (TRL's value)
     log_metrics = trainer_pt_utils.log_metrics          # transformers' own: they read only args, state and the rank
 
@@ -183,25 +186,6 @@ def create_model_card(self, model_name: str | None = None, dataset_name: str | N
         _model_card(self, Path(self.args.output_dir), model_name, dataset_name, tags)
 
 
-def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-    "Create the hub repository args.hub_model_id (default: the output folder's name) and keep its id as hub_model_id."
-    from huggingface_hub import HfApi
-    self.hub_model_id = self.args.hub_model_id or Path(self.args.output_dir).name
-    HfApi(token=token or self.args.hub_token).create_repo(
-        self.hub_model_id, private=self.args.hub_private_repo if private is None else private, exist_ok=True)
-
-
-def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
-                revision: str | None = None, **kwargs):
-    "Save the model, write the model card from `kwargs` (model_name, dataset_name, tags), upload output_dir."
-    from huggingface_hub import HfApi
-    self.init_hf_repo(token=token)
-    self.save_model()
-    self.create_model_card(**kwargs)
-    return HfApi(token=token or self.args.hub_token).upload_folder(
-        repo_id=self.hub_model_id, folder_path=self.args.output_dir, commit_message=commit_message,
-        revision=revision, run_as_future=not blocking, ignore_patterns=["checkpoint-*", "tmp-checkpoint-*", "*.jsonl"])
-
-
-for _fn in (create_model_card, init_hf_repo, push_to_hub):
+# the hub methods are 06o_hub's: the repository at construction, pushes at saves and at the end
+for _fn in (create_model_card, init_hf_repo, push_to_hub, _push_from_checkpoint, _finish_current_push):
     setattr(TrainerSurface, _fn.__name__, _fn)

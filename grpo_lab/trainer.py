@@ -46,6 +46,7 @@ from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation,
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks,
                             expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader)
+from .hub import push_saved_model, start_hub
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
@@ -154,6 +155,7 @@ class GRPOTrainer(TrainerSurface):
         build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
         build_update(self, model, optimizers)
         build_bookkeeping(self, callbacks)
+        start_hub(self)                           # push_to_hub=True: the repository now, or a sentence (06o_hub)
 
     @property
     def tokenizer(self):
@@ -813,6 +815,7 @@ def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
         torch.save(self.args, path / TRAINING_ARGS_NAME)
         _model_card(self, path)
     self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
+    push_saved_model(self)                    # push_to_hub=True: the HF Trainer's 'Model save' push (06o_hub)
     return path
 
 # %% ../nbs/06_trainer.ipynb

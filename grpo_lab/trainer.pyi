@@ -31,6 +31,7 @@ from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, Ge
 from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation, make_accelerator, resume_parts
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader
+from .hub import push_saved_model, start_hub
 from .surface import TrainerSurface, _model_card
 from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
 from .vllm_engine import importance_sampling_weights, is_clip_max
