@@ -5,7 +5,14 @@ it samples is recorded. grpo-lab's GRPOTrainer then trains a copy of the same ad
 engine that replays TRL's completions instead of sampling. Sampling is the only random part of a GRPO step (no
 dropout), so from there on both trainers compute the same function: rewards, advantages, the dapo loss under
 gradient accumulation, clipping, AdamW and the linear schedule. The adapter weights are compared after every step.
+
+Then the sampling (issue 43): with torch's generator reseeded before every `generate` call in both trainers (the same
+seed for the same call), grpo-lab's own engine samples TRL's completions token for token at every step, and the
+adapters end equal. The two trainers differ only in which random numbers they draw between generations (TRL shuffles
+each generation batch with the global generator, grpo-lab with its own seeded one), so a gap between their held-out
+accuracies on one seed is sampling noise (BENCHMARKS.md, "What the gap was").
 """
+import contextlib
 import copy
 import math
 
@@ -121,6 +128,24 @@ class ReplayEngine(RolloutEngine):
         return Completions(texts, prompt_ids, prompt_mask, completion_ids, mask, truncated, group)
 
 
+@contextlib.contextmanager
+def aligned_generation(seed: int = 1000):
+    "Inside: torch's generator is reseeded before every `generate` call (the n-th call gets `seed + n`), in any trainer."
+    from transformers.generation.utils import GenerationMixin
+    original, calls = GenerationMixin.generate, [0]
+
+    def generate(self, *args, **kwargs):
+        calls[0] += 1
+        torch.manual_seed(seed + calls[0])
+        return original(self, *args, **kwargs)
+
+    GenerationMixin.generate = generate
+    try:
+        yield calls
+    finally:
+        GenerationMixin.generate = original
+
+
 @pytest.fixture(scope="module")
 def lora_model(smollm2_folder):
     "SmolLM2 in float32 with one LoRA adapter (r=16, no dropout), B initialised away from zero so every tensor moves."
@@ -148,7 +173,8 @@ def runs(lora_model, tmp_path_factory):
         return out
 
     trainer._generate = recording
-    trainer.train()
+    with aligned_generation():       # the same random numbers at each generation as grpo-lab's run below
+        trainer.train()
 
     lab_model = copy.deepcopy(model)
     lab_record = RecordSteps(lab_model)
@@ -205,4 +231,43 @@ def test_adapter_weights_equal_after_every_step(runs):
     assert not still, f"adapter tensors the first step did not move: {still[:4]}"
     gaps = relative_gaps(runs["lab"].weights, trl_weights, initial)
     print("weight gaps per step:", [f"{g:.1e}" for g in gaps])
+    assert max(gaps) <= WEIGHT_TOLERANCE, [f"{g:.1e}" for g in gaps]
+
+
+@pytest.fixture(scope="module")
+def sampled_run(lora_model, runs, tmp_path_factory):
+    "grpo-lab sampling with its own (default, shared-prefill) engine, torch's generator reseeded as in TRL's run."
+    model, tokenizer = lora_model
+    lab_model = copy.deepcopy(model)
+    record = RecordSteps(lab_model)
+    lab = GRPOTrainer(model=lab_model, reward_funcs=reward_digits_and_length,
+                      args=GRPOConfig(**shared_settings(tmp_path_factory.mktemp("sampled"))), train_dataset=dataset(),
+                      processing_class=copy.deepcopy(tokenizer), callbacks=[record])
+    sampled, generate = [], lab.engine.generate
+
+    def recording(rows, group, policy, settings, step):
+        out = generate(rows, group, policy, settings, step)
+        sampled.append([ids[mask.bool()].tolist() for ids, mask in zip(out.completion_ids, out.completion_mask)])
+        return out
+
+    lab.engine.generate = recording
+    with aligned_generation():
+        lab.train()
+    return dict(sampled=sampled, record=record)
+
+
+def without_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+def test_with_the_same_random_numbers_grpo_lab_samples_trls_completions_every_step(runs, sampled_run, lora_model):
+    """Issue 43's ablation in small: reseeded alike, grpo-lab's own engine draws TRL's completions at every step (the
+    policy moves after step 1, so steps 2-4 sample from updated weights), and the adapters end equal."""
+    eos = lora_model[1].eos_token_id
+    theirs = [[without_eos(c, eos) for c in b["completion_ids"]] for b in runs["batches"]]
+    ours = [[without_eos(c, eos) for c in batch] for batch in sampled_run["sampled"]]
+    assert len(ours) == len(theirs) == STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == b, f"step {step + 1}: grpo-lab sampled {a}, TRL {b}"
+    gaps = relative_gaps(sampled_run["record"].weights, runs["trl"].weights, runs["initial"])
     assert max(gaps) <= WEIGHT_TOLERANCE, [f"{g:.1e}" for g in gaps]
