@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Iterator
 import numpy as np
 import torch
