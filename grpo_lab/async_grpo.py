@@ -30,7 +30,7 @@ from .config import GRPOConfig, as_dict
 from .loss import completion_logps
 from .rollout import Completions, GenerateEngine
 from .steps import Position, generation_rows
-from .trainer import GRPOTrainer, _epoch_chunks, _scored_rollout
+from .trainer import GRPOTrainer
 from .widgets import Explorer, fmt, html_table, picture, text_table, widgets
 from .vllm_engine import VLLMServerEngine, _vllm_name, merged_weights, policy_weights
 
@@ -625,7 +625,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if ready is None or ready.prompts is not prompts:
             raise RuntimeError("AsyncGRPOTrainer.generate_and_score scores the batch its generation_batches handed out "
                                "last; call them in that order (as train() does).")
-        rollout = _scored_rollout(self, ready.rows, ready.result.completions)      # the IS correction: in the loss
+        rollout = self.score_rollout(ready.rows, ready.result.completions)         # the IS correction: in the loss
         rollout.metrics.update({"sample/staleness_mean": float(ready.staleness),
                                 "sample/staleness_max": float(ready.staleness),
                                 "sample/rollout_queue_size": float(_queue_size(self.worker) * len(ready.rows)),
@@ -670,7 +670,7 @@ def _batches_from(trainer: AsyncGRPOTrainer, pos: Position):
     "Every generation batch from `pos` on, across epochs: `(epoch, generation, n_generations, prompts, rows, group)`."
     args, acc, epoch, start = trainer.args, trainer.accelerator, pos.epoch, pos.generation
     while True:
-        for offset, (prompts, n_generations) in enumerate(_epoch_chunks(trainer, epoch, start)):
+        for offset, (prompts, n_generations) in enumerate(trainer.epoch_prompts(epoch, start)):
             rows, group = generation_rows(prompts, args.num_generations, acc.num_processes, acc.process_index)
             yield epoch, start + offset, n_generations, prompts, rows, group
         epoch, start = epoch + 1, 0
@@ -775,7 +775,7 @@ def _queue_size(worker: AsyncWorker) -> int:
 # %% ../nbs/06l_async.ipynb
 def _generations_per_epoch(trainer) -> int:
     "The generation batches of one epoch (what a resumed, half-trained rollout needs to place itself)."
-    return next(iter(_epoch_chunks(trainer, 0, 0)))[1]
+    return next(iter(trainer.epoch_prompts(0, 0)))[1]
 
 # %% ../nbs/06l_async.ipynb
 LANE_COLOURS = {"generate": "tab:blue", "wait": "lightgrey", "score": "tab:orange", "train": "tab:green",

@@ -30,6 +30,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
 
 from .data import arithmetic_task, render_prompt
 from .loss import _unwrap, completion_logps
+from .padding import length_mask, pad_right
 
 # %% auto 0
 __all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'REFERENCE_ADAPTER',
@@ -135,14 +136,10 @@ def sft_batch(tokenizer, prompts, answers) -> dict[str, torch.Tensor]:
         prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         answer_ids = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
-    width = max(len(ids) for ids, _ in rows)
-    batch = {"input_ids": torch.full((len(rows), width), tokenizer.pad_token_id),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "labels": torch.full((len(rows), width), -100)}
-    for i, (ids, labels) in enumerate(rows):
-        batch["input_ids"][i, :len(ids)], batch["labels"][i, :len(ids)] = torch.tensor(ids), torch.tensor(labels)
-        batch["attention_mask"][i, :len(ids)] = 1
-    return batch
+    input_ids = pad_right([ids for ids, _ in rows], tokenizer.pad_token_id)
+    return {"input_ids": input_ids,
+            "attention_mask": length_mask([len(ids) for ids, _ in rows], input_ids.size(1)).long(),
+            "labels": pad_right([labels for _, labels in rows], -100)}
 
 # %% ../nbs/05_models.ipynb
 TASK_FILE = "grpo_lab_task.json"

@@ -17,15 +17,15 @@ from transformers import DynamicCache, GenerationConfig
 
 from .config import as_dict
 from .data import render_prompt
+from .padding import length_mask, pad_left, pad_right   # 04b_padding; engines import them from here too
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'render_prompts', 'pad_left', 'pad_right', 'length_mask', 'truncated_rows',
-           'tokenize_prompts', 'SamplingSettings', 'generation_config', 'completion_mask', 'prompt_groups',
-           'group_starts', 'cache_kwarg', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
-           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout',
-           'length_metrics']
+__all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'render_prompts', 'truncated_rows', 'tokenize_prompts', 'SamplingSettings',
+           'generation_config', 'completion_mask', 'prompt_groups', 'group_starts', 'cache_kwarg',
+           'prefill_once_per_prompt', 'prefill_saving', 'sample_completions', 'Completions', 'RolloutEngine',
+           'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout', 'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
 def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None,
@@ -38,24 +38,6 @@ def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None =
     return texts
 
 # %% ../nbs/06b_rollout.ipynb
-def pad_left(rows: list[list[int]], value: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    "`(B, W)` the rows left-padded with `value` to `width` (at least the longest), and `(B, W)` their mask (1: a token)."
-    width = max([len(r) for r in rows] + [width or 0])
-    ids = torch.tensor([[value] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
-    return ids, torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-
-
-def pad_right(rows: list[list], value, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    "`(B, T)` tensor of the rows right-padded with `value` to the longest (at least one column)."
-    width = max([len(r) for r in rows] + [1])
-    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
-
-
-def length_mask(lengths, width: int) -> torch.Tensor:
-    "`(B, T)` 1 on each row's first `lengths[i]` columns: the real tokens of right-padded rows."
-    return (torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)).int()
-
-
 def truncated_rows(completions: list[list[int]], end_ids) -> torch.Tensor:
     "`(B,)` True where a completion does not end in one of `end_ids` (the one truncation rule; empty: truncated)."
     ends = set(end_ids)

@@ -10,77 +10,54 @@ import dataclasses
 import logging
 import math
 import time
-from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from fastcore.basics import patch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
-from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
 
-from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .batching import BatchPlan, plan_for
-from .checkpoint import (batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state,
-                                 save_main_files, set_rng_state)
-from .config import GRPOConfig
+from .config import GRPOConfig, is_clip_max
 from .data import load_prompts
-from .logs import (append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary,
-                           update_best_metric, write_completions)
-from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
+from .loss import (LossSettings, completion_logps, grpo_loss, high_entropy_mask, importance_sampling_weights,
+                           off_policy_mask, reduce_loss_stats)
 from .models import reference_logps
 from .assemble import (build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir,
                             check_sources,
                             configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model,
                             routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences)
-from .rollout import (Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine,
-                              length_metrics)
-from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation, make_accelerator, resume_parts
+from .engines import make_engine
+from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, RolloutEngine, length_metrics
+from .run import GRPORun, TrainingInterrupted, data_order, resume_hint   # TrainingInterrupted: importable here too
+from .sharded import gathered_for_generation, make_accelerator
+from .hub import start_hub
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks,
-                            expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader)
-from .hub import push_saved_model, start_hub
-from .surface import TrainerSurface, _model_card
-from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
-from .vllm_engine import importance_sampling_weights, is_clip_max
+from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks,
+                            generation_rows, process_rows, rollout_micro_steps)
+from .tools import ToolLoopEngine, check_rollout_output
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs']
+__all__ = ['logger', 'NonFiniteLossError', 'GRPOTrainer', 'TrainingInputs']
 
 # %% ../nbs/06_trainer.ipynb
-class TrainingInterrupted(KeyboardInterrupt):
-    "Ctrl-C during `train()`: a checkpoint was saved at `step`; resume from `checkpoint`."
-    def __init__(self, step: int, checkpoint: Path):
-        super().__init__(f"interrupted at step {step}; {checkpoint.name} saved; resume with "
-                         f"trainer.train(resume_from_checkpoint=True)")
-        self.step, self.checkpoint = step, checkpoint
-
-
 class NonFiniteLossError(RuntimeError):
     "The loss or the gradient became NaN/inf; the weights were not updated."
 
-
-def _resume_hint(last: Path | None) -> str:
-    "Where the run can go on from, for error messages."
-    if last is None:
-        return "No checkpoint was saved yet (save_steps); fix the problem and start again."
-    return f"Fix it and resume with trainer.train(resume_from_checkpoint={str(last)!r})."
-
 # %% ../nbs/06_trainer.ipynb
-class GRPOTrainer(TrainerSurface):
+class GRPOTrainer(GRPORun):
     "Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."
     get_off_policy_mask = staticmethod(off_policy_mask)     # TRL's static method: 03_loss's function (section 6)
     # The trainer's state (TRL's names where TRL has one). __init__ sets the first block; 06h_assemble's three groups
-    # set scoring, update and bookkeeping; train() and the checkpoints keep the run's place.
+    # set scoring, update and bookkeeping; the run's place (checkpoints, timing) is GRPORun's (06n_run).
     args: GRPOConfig
     accelerator: Accelerator
     plan: BatchPlan                               # the batch arithmetic, computed once (00_batching)
@@ -109,11 +86,6 @@ class GRPOTrainer(TrainerSurface):
     control: TrainerControl
     callback_handler: CallbackHandler
     tools: list                                   # TRL's tool names (the engine's tools, every environment's)
-    _last_checkpoint: Path | None = None          # the run: the newest checkpoint written or resumed from
-    _resume_point: tuple | None = None            # (Position, unfinished Rollout or None, RNG state) after the last step
-    _start_time: float = 0.0
-    _first_step: int = 0                          # global_step when this train() began
-    _best_pending: bool = False                   # an evaluation found a best metric; the next checkpoint holds it
     samples_elsewhere: bool = False               # the async trainer's worker samples with older weights (06l)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -200,36 +172,6 @@ def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
 
 
 # %% ../nbs/06_trainer.ipynb
-def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=None, rollout_func=None,
-                environment_factory=None) -> RolloutEngine:
-    "The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or `default_engine` (06o)."
-    args, tokenizer = trainer.args, trainer.processing_class
-    agentic = bool(tools) or environment_factory is not None
-    if engine is not None and (agentic or rollout_func is not None):
-        raise ValueError("engine= replaces grpo-lab's generation, so tools, environment_factory and rollout_func "
-                         "cannot be given with it: pass one or the other.")
-    if rollout_func is not None and agentic:
-        raise ValueError("rollout_func owns generation, so grpo-lab cannot run tools or environments inside it: run "
-                         "them in your rollout_func (return env_mask to mask their tokens), or drop rollout_func.")
-    if engine is not None:
-        return engine
-    if args.use_vllm:                       # vLLM, colocated or a server (06d_vllm)
-        if agentic or rollout_func is not None:
-            raise ValueError("use_vllm=True with tools, environment_factory or rollout_func is not supported yet: "
-                             "grpo-lab's tool loop generates with the policy itself; set use_vllm=False.")
-        from grpo_lab.vllm_engine import vllm_engine_from_config
-        return vllm_engine_from_config(args, model, tokenizer, trainer.accelerator.device)
-    if rollout_func is not None:
-        return RolloutFuncEngine(rollout_func, trainer, tokenizer)
-    if agentic:
-        return ToolLoopEngine(tokenizer, tools=tools, environment_factory=environment_factory,
-                              max_tool_calling_iterations=args.max_tool_calling_iterations)
-    if args.use_transformers_continuous_batching or args.use_transformers_paged:   # TRL's switch (and its old name)
-        return ContinuousBatchingEngine(tokenizer, trainer.accelerator.device, args.transformers_continuous_batching_config)
-    from grpo_lab.static_engine import default_engine    # the static-cache engine on CUDA, generate on a CPU
-    return default_engine(trainer, model)
-
-# %% ../nbs/06_trainer.ipynb
 @patch
 def add_callback(self: GRPOTrainer, callback):
     "Add a callback (a class or an instance), as in the HF Trainer."
@@ -252,7 +194,7 @@ def _score(trainer: GRPOTrainer, rows: list[dict], out: Completions, num_generat
     "Scored completions, all processes' advantages `(N,)` and the reward statistics of a batch."
     args = trainer.args
     scored = decode_and_score(trainer.reward_funcs, trainer.processing_class, trainer.accelerator, rows, out,
-                              trainer.state, _resume_hint(trainer._last_checkpoint))
+                              trainer.state, resume_hint(trainer._last_checkpoint))
     adv, stats = compute_advantages(scored.rewards, num_generations, reward_weights=trainer.reward_weights,
                                     scale_rewards=args.scale_rewards, reward_names=trainer.reward_names,
                                     multi_objective_aggregation=args.multi_objective_aggregation)
@@ -278,20 +220,21 @@ def _length_metrics(acc, out: Completions) -> dict:
     return length_metrics(lengths, acc.gather(out.truncated.to(acc.device)).cpu())
 
 # %% ../nbs/06_trainer.ipynb
-def _scored_rollout(trainer: GRPOTrainer, rows: list[dict], out: Completions) -> Rollout:
+@patch
+def score_rollout(self: GRPOTrainer, rows: list[dict], out: Completions) -> Rollout:
     "Stages 2-4 for the completions `out` of this process's `rows`: score, advantages, the rollout and its metrics."
-    acc, state = trainer.accelerator, trainer.state
-    scored, adv, stats = _score(trainer, rows, out, trainer.args.num_generations)
-    rollout = _as_rollout(trainer, out, adv)
+    acc, state = self.accelerator, self.state
+    scored, adv, stats = _score(self, rows, out, self.args.num_generations)
+    rollout = _as_rollout(self, out, adv)
     rollout.sampling_logps, rollout.rows = out.sampling_logps, list(rows)
     seen = out.prompt_mask.sum() + model_tokens(rollout.completion_mask, out.tool_mask).sum()
     state.num_input_tokens_seen += int(acc.gather(seen.reshape(1)).sum().item())
     rollout.metrics = {"num_tokens": state.num_input_tokens_seen, **_length_metrics(acc, out),
-                       **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **out.metrics}
+                       **reward_metrics(stats, self.reward_names, scored.logs.metrics), **out.metrics}
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     rollout.samples = _samples(out.prompt_texts, scored, stats["rewards"][mine], adv[mine])
-    keep_logs(trainer._logs, trainer.reward_names, scored.prompts, scored.completions, scored.rewards, adv, scored.logs.extra)
-    _add_logps(trainer, rollout)
+    keep_logs(self._logs, self.reward_names, scored.prompts, scored.completions, scored.rewards, adv, scored.logs.extra)
+    _add_logps(self, rollout)
     return rollout
 
 
@@ -326,6 +269,16 @@ def _sampler_weights(args, rollout: Rollout):
     return importance_sampling_weights(rollout.old_logps, rollout.sampling_logps, rollout.loss_mask,
                                        args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                        is_clip_max(args))
+
+
+def _ratio_inputs(trainer: GRPOTrainer, mb: Rollout, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For the loss of micro-batch `mb`, whose current log-probs are `logps`: the sampler's log-probs and TRL's IS
+    weights (None: no correction); with `_old_from_loss`, `mb.old_logps` becomes `logps`, detached."""
+    corrected = _corrects_sampler(trainer) and mb.sampling_logps is not None
+    if corrected and mb.old_logps is None:       # _old_from_loss: the policy has not moved since sampling
+        mb.old_logps = logps.detach()
+    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
+    return sampled_by, _sampler_weights(trainer.args, mb)[0] if corrected else None
 
 
 def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
@@ -395,15 +348,12 @@ def _micro_batch_loss(trainer: GRPOTrainer, mb: Rollout):
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if trainer.entropy_control is not None:
         trainer.entropy_window.add(entropies.detach(), mask, args.top_entropy_quantile, gathered)
-    corrected = _corrects_sampler(trainer) and mb.sampling_logps is not None
-    if corrected and mb.old_logps is None:       # _old_from_loss: the policy has not moved since sampling
-        mb.old_logps = logps.detach()
-    sampled_by = mb.old_logps if mb.sampling_logps is None else mb.sampling_logps
+    sampled_by, is_weights = _ratio_inputs(trainer, mb, logps)     # which old log-probs feed the ratio (section 2)
     loss, stats = grpo_loss(logps, mb.old_logps, mb.advantages, mask, **trainer.loss_settings.kwargs(),
                             ref_per_token_logps=mb.ref_logps, num_items_in_batch=mb.num_items_in_batch,
                             entropies=entropies, gathered_entropies=gathered, sampling_per_token_logps=sampled_by,
                             entropy_coef=_entropy_coef(trainer.entropy_control, args.entropy_coef),
-                            importance_sampling_ratio=_sampler_weights(args, mb)[0] if corrected else None)
+                            importance_sampling_ratio=is_weights)
     return loss, _gather_stats(acc, stats)
 
 # %% ../nbs/06_trainer.ipynb
@@ -416,7 +366,7 @@ def _optimizer_step(trainer: GRPOTrainer, losses: list[float], stats: list[dict]
         trainer.optimizer.zero_grad()
         raise NonFiniteLossError(f"the gradient norm at step {state.global_step + 1} is {grad_norm}; the weights were "
                                  f"not updated. Lower learning_rate or check the rewards. "
-                                 f"{_resume_hint(trainer._last_checkpoint)}")
+                                 f"{resume_hint(trainer._last_checkpoint)}")
     learning_rate = trainer.lr_scheduler.get_last_lr()[0]
     trainer.control = trainer.callback_handler.on_pre_optimizer_step(args, state, trainer.control)
     trainer.optimizer.step()
@@ -450,16 +400,15 @@ def _entropy_metrics(trainer: GRPOTrainer) -> dict:
     return {"entropy_coef": control.update(entropy)}
 
 # %% ../nbs/06_trainer.ipynb
-def _epoch_chunks(trainer: GRPOTrainer, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
+@patch
+def epoch_prompts(self: GRPOTrainer, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
     "The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."
-    seed, shuffle = _data_order(trainer.args)
-    return epoch_chunks(trainer.train_dataset, trainer.streaming, trainer.plan.unique_prompts_per_generation, seed,
+    seed, shuffle = data_order(self.args)          # the run's order (06n_run), which get_train_dataloader reads too
+    return epoch_chunks(self.train_dataset, self.streaming, self.plan.unique_prompts_per_generation, seed,
                         shuffle, epoch, start)
 
 
-def _data_order(args) -> tuple[int, bool]:
-    "The seed and the shuffle switch of the prompt order (`data_seed` if set, as in the HF Trainer)."
-    return args.data_seed if args.data_seed is not None else args.seed, args.shuffle_dataset is not False
+_epoch_chunks = GRPOTrainer.epoch_prompts         # its name before it was a hook, as `_epoch_chunks(trainer, epoch, start)`
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -467,7 +416,7 @@ def generation_batches(self: GRPOTrainer, pos: Position) -> Iterator[tuple[Posit
     """The run's generation batches from `pos`, endless (the loop stops at `max_steps`): where each starts, how many
     batches its epoch has (a stream: None until its last) and its prompt rows, one per unique prompt."""
     while True:
-        for prompts, n_generations in _epoch_chunks(self, pos.epoch, pos.generation):
+        for prompts, n_generations in self.epoch_prompts(pos.epoch, pos.generation):
             yield pos, n_generations, prompts
             pos = Position(pos.epoch, pos.generation + 1)
         pos = Position(pos.epoch + 1)
@@ -479,7 +428,7 @@ def generate_and_score(self: GRPOTrainer, prompts: list[dict]) -> Rollout:
     acc = self.accelerator
     rows, group = generation_rows(prompts, self.args.num_generations, acc.num_processes, acc.process_index)
     completions = _completions(self, rows, group)       # stage 1: the engine samples
-    return _scored_rollout(self, rows, completions)     # stages 2-4: rewards, advantages, log-probs
+    return self.score_rollout(rows, completions)       # stages 2-4: rewards, advantages, log-probs
 
 # %% ../nbs/06_trainer.ipynb
 @patch
@@ -487,11 +436,11 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
     """GRPO: for each generation batch, generate and score it, then learn from it micro-batch by micro-batch, with an
     optimizer step every `gradient_accumulation_steps`, for `plan.total_optimizer_steps` steps (or until a callback
     stops it)."""
-    pos, rollout = _begin_training(self, resume_from_checkpoint)   # a checkpoint may hold a half-learned rollout
+    pos, rollout = self._begin_training(resume_from_checkpoint)     # a checkpoint may hold a half-learned rollout
     if pos is None:                                          # resumed at the run's last step
-        return _already_finished(self)
+        return self._already_finished()
     step, window, step_losses = _OpenStep(), [], []
-    with _checkpoint_on_interrupt(self):
+    with self._checkpoint_on_interrupt():
         for pos, n_generations, prompts in self.generation_batches(pos):
             _begin_step(self, step)                          # on_step_begin comes before the step's generation
             if rollout is None:
@@ -506,9 +455,9 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
                 losses, stats, seconds = step.close()
                 window.append({**_optimizer_step(self, losses, stats, rollout), "step_time": seconds})   # 7
                 step_losses.append(window[-1]["loss"])
-                _end_step(self, micro, window)               # count the step; log, evaluate, save as asked
+                self._end_step(micro, window)                # count the step; log, evaluate, save as asked
                 if self.control.should_training_stop:
-                    return _end_training(self, window, step_losses)
+                    return self._end_training(window, step_losses)
             rollout = None
 
 # %% ../nbs/06_trainer.ipynb
@@ -557,163 +506,20 @@ def training_step(self: GRPOTrainer, model, inputs: TrainingInputs, num_items_in
         _keep_old_logps(self, step)
         if not torch.isfinite(loss) and acc.scaler is None:    # under fp16 the scaler skips the step instead
             raise NonFiniteLossError(f"the loss at step {self.state.global_step + 1} is {loss.item()}; the weights "
-                                     f"were not updated. {_resume_hint(self._last_checkpoint)}")
+                                     f"were not updated. {resume_hint(self._last_checkpoint)}")
         acc.backward(loss)
     return loss.detach()
 
 # %% ../nbs/06_trainer.ipynb
-@contextlib.contextmanager
-def _checkpoint_on_interrupt(trainer: GRPOTrainer):
-    "Ctrl-C: save a checkpoint at the last completed step, then raise `TrainingInterrupted` naming it."
-    try:
-        yield
-    except KeyboardInterrupt as interrupt:
-        if isinstance(interrupt, TrainingInterrupted):
-            raise
-        trainer.optimizer.zero_grad()            # a half-done step's gradients are dropped
-        raise TrainingInterrupted(trainer.state.global_step, trainer.save_checkpoint()) from None
-
-# %% ../nbs/06_trainer.ipynb
-def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
-    "Count the step, record the resume point, then log, evaluate and save as the callbacks ask."
-    args, state, handler = trainer.args, trainer.state, trainer.callback_handler
-    state.global_step += 1
-    state.epoch = step.epoch
-    unfinished = step.rollout if step.after.iteration or step.after.micro else None
-    trainer._resume_point = (step.after, unfinished, rng_state())
-    _sync_reference_model(trainer)
-    trainer.control = handler.on_step_end(args, state, trainer.control)
-    if step.ends_epoch:
-        trainer.control = handler.on_epoch_end(args, state, trainer.control)
-    if trainer.control.should_log:
-        trainer.log(mean_metrics(window), samples=step.rollout.samples)
-        window.clear()
-    if trainer.control.should_evaluate and trainer.eval_dataset is not None:
-        trainer.evaluate()
-    trainer.control.should_evaluate = False
-    if trainer.control.should_save:
-        trainer.save_checkpoint()
-        trainer.control = handler.on_save(args, state, trainer.control)
-        trainer.control.should_save = False
-    if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0 \
-            and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-# %% ../nbs/06_trainer.ipynb
-def _sync_reference_model(trainer: GRPOTrainer):
-    "TR-DPO's reference update, every ref_model_sync_steps: ref = alpha * policy + (1 - alpha) * ref."
-    args = trainer.args
-    if not args.sync_ref_model or trainer.state.global_step % args.ref_model_sync_steps:
-        return
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    with torch.no_grad():
-        for ref, cur in zip(trainer.ref_model.parameters(), policy.parameters()):
-            ref.mul_(1 - args.ref_model_mixup_alpha).add_(cur.detach(), alpha=args.ref_model_mixup_alpha)
-
-# %% ../nbs/06_trainer.ipynb
-def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Position | None, Rollout | None]:
-    "Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start (None: finished)."
-    args = trainer.args
-    path = resolve_resume(resume_from_checkpoint, args.output_dir)
-    claim_output_dir(args.output_dir, path, getattr(args, "overwrite_output_dir", False),   # one folder, one run
-                     trainer.accelerator.is_main_process)
-    start, rollout = trainer.load_checkpoint(path) if path is not None else (Position(), None)
-    state = trainer.state
-    state.max_steps, state.num_train_epochs = trainer.plan.total_optimizer_steps, int(args.num_train_epochs)
-    state.logging_steps = absolute(args.logging_steps, state.max_steps)
-    state.save_steps = absolute(args.save_steps, state.max_steps)
-    state.eval_steps = absolute(args.eval_steps or state.logging_steps, state.max_steps)
-    state.train_batch_size = args.per_device_train_batch_size
-    state.total_flos = float(state.total_flos)      # the HF Trainer's type (it adds float FLOP counts to it)
-    if path is not None and state.global_step >= state.max_steps:
-        return None, None
-    trainer._resume_point = (start, rollout, rng_state())
-    trainer._start_time, trainer._first_step = time.time(), state.global_step
-    if trainer.accelerator.is_main_process:
-        restart_logs(args.output_dir, state.global_step, trainer.history)
-    trainer.model.train()
-    trainer.control = trainer.callback_handler.on_train_begin(args, state, trainer.control)
-    trainer.control = trainer.callback_handler.on_epoch_begin(args, state, trainer.control)
-    if args.eval_on_start and trainer.eval_dataset is not None:
-        trainer.evaluate()
-    return start, rollout
-
-
-def _already_finished(trainer: GRPOTrainer) -> TrainOutput:
-    "A resumed run whose checkpoint already reached the last step: train nothing, log nothing, say so once."
-    logger.warning("%s is the end of this run (step %d of %d): nothing left to train; raise max_steps or "
-                   "num_train_epochs to train further.", trainer._last_checkpoint.name, trainer.state.global_step,
-                   trainer.plan.total_optimizer_steps)
-    return TrainOutput(trainer.state.global_step, 0.0, {})
-
-# %% ../nbs/06_trainer.ipynb
-def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
-    "Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."
-    summary = _summary(trainer, window, step_losses)
-    if trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint:
-        load_weights(resume_parts(trainer)[0], Path(trainer.state.best_model_checkpoint))
-    trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
-    return TrainOutput(trainer.state.global_step, summary["train_loss"], summary)
-
-
-def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
-    "Log the run's summary (`06k_logs.run_summary`); return it with the epoch, as `TrainOutput.metrics`."
-    state = trainer.state
-    summary = run_summary(trainer.args, state, trainer.accelerator.num_processes, trainer._start_time,
-                          trainer._first_step, window, step_losses)
-    trainer.log(summary)
-    return {**summary, "epoch": state.log_history[-1]["epoch"]}
-
-# %% ../nbs/06_trainer.ipynb
 @patch
-def log(self: GRPOTrainer, logs: dict, start_time: float | None = None, samples: list | None = None):
-    "Send `logs` to the state's history, metrics.jsonl and every callback."
-    logs = {**logs, "epoch": round(self.state.epoch or 0.0, 4)}
-    self.state.log_history.append({**logs, "step": self.state.global_step})
-    if self.accelerator.is_main_process:
-        append_metrics(self.args.output_dir, self.state.global_step, logs)
-        if self.args.log_completions and self._logs["prompt"]:
-            write_completions(self.args.output_dir, self.state.global_step, self._logs)
-            print_samples(self.state.global_step, samples or [], self.args.num_completions_to_print)
-    self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs, completions=samples or [])
-
-# %% ../nbs/06_trainer.ipynb
-@patch
-@torch.no_grad()
-def evaluate(self: GRPOTrainer, eval_dataset=None, ignore_keys: list[str] | None = None,
-             metric_key_prefix: str = "eval") -> dict:
-    "Mean rewards, lengths and loss of completions of held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."
-    sets = eval_sets(eval_dataset if eval_dataset is not None else self.eval_dataset)
-    if not sets:
-        raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer or to evaluate().")
-    metrics = {f"{metric_key_prefix}_{name}{k}": v for name, dataset in sets.items()
-               for k, v in _evaluate_set(self, dataset).items()}
-    self.log(metrics)
-    self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-    if update_best_metric(self.args, self.state, metrics):   # after the callbacks, as in the HF Trainer
-        self._best_pending = True                            # the next checkpoint holds the best model
-    return metrics
-
-# %% ../nbs/06_trainer.ipynb
-def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
-    "One evaluation set's metrics, averaged over its batches of `per_device_eval_batch_size` completions per process."
-    args, acc = trainer.args, trainer.accelerator
-    G, prompts_per_batch = _eval_batching(trainer)
-    window, prompt_rows = [], iter(dataset)
-    while prompts := list(islice(prompt_rows, prompts_per_batch)):      # a Dataset or a (finite) stream, in order
-        rows, group = generation_rows(prompts, G, acc.num_processes, acc.process_index)
-        out = _completions(trainer, rows, group)
-        scored, adv, stats = _score(trainer, rows, out, G)
-        window.append({"loss": _eval_loss(trainer, _as_rollout(trainer, out, adv)),
-                       **reward_metrics(stats, trainer.reward_names, scored.logs.metrics), **_length_metrics(acc, out)})
-    return mean_metrics(window)
-
-
-def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
-    "Completions per prompt in evaluation, and prompts per batch (`per_device_eval_batch_size` completions a process)."
-    args = trainer.args
-    G = args.num_generations_eval or args.num_generations
-    return G, max(1, args.per_device_eval_batch_size * trainer.accelerator.num_processes // G)
+def evaluation_step(self: GRPOTrainer, prompts: list[dict], num_generations: int) -> dict:
+    "One evaluation batch of `prompts`, `num_generations` completions each: loss, rewards and lengths (the run averages)."
+    acc = self.accelerator
+    rows, group = generation_rows(prompts, num_generations, acc.num_processes, acc.process_index)
+    out = _completions(self, rows, group)
+    scored, adv, stats = _score(self, rows, out, num_generations)
+    return {"loss": _eval_loss(self, _as_rollout(self, out, adv)),
+            **reward_metrics(stats, self.reward_names, scored.logs.metrics), **_length_metrics(acc, out)}
 
 
 def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
@@ -733,101 +539,7 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
 
 # %% ../nbs/06_trainer.ipynb
 @patch
-def get_train_dataloader(self: GRPOTrainer) -> DataLoader:
-    "The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."
-    unique, (seed, shuffle) = self.plan.unique_prompts_per_generation, _data_order(self.args)
-    chunks = None if self.streaming else generation_chunks(len(self.train_dataset), unique, seed, int(self.state.epoch),
-                                                           shuffle=shuffle)
-    return row_loader(self.train_dataset, chunks, unique, self.args.num_generations, self.accelerator,
-                      self.args.dataloader_num_workers)
-
-
-@patch
-def get_eval_dataloader(self: GRPOTrainer, eval_dataset=None) -> DataLoader:
-    "The evaluation rows in the batches `evaluate` scores; `eval_dataset` may name one set of a dict (HF's method)."
-    if isinstance(eval_dataset, str) or eval_dataset is None:
-        given = self.eval_dataset if eval_dataset is None else self.eval_dataset[eval_dataset]
-    else:
-        given = eval_dataset
-    sets = eval_sets(given)
-    if len(sets) != 1:
-        raise ValueError(f"get_eval_dataloader needs one evaluation set, and there are {len(sets)} "
-                         f"({sorted(n.rstrip('_') for n in sets) or 'none: pass eval_dataset'}): pass "
-                         "eval_dataset=<a dataset> or the name of one set.")
-    dataset = next(iter(sets.values()))
-    G, prompts = _eval_batching(self)
-    chunks = None if isinstance(dataset, IterableDataset) else \
-        [range(s, min(s + prompts, len(dataset))) for s in range(0, len(dataset), prompts)]
-    return row_loader(dataset, chunks, prompts, G, self.accelerator, self.args.dataloader_num_workers)
-
-# %% ../nbs/06_trainer.ipynb
-@patch
-def save_checkpoint(self: GRPOTrainer) -> Path:
-    "Save everything needed to resume at this step to `output_dir/checkpoint-<step>/`, atomically."
-    acc, state = self.accelerator, self.state
-    position, rollout, rng = self._resume_point
-    control = dataclasses.asdict(self.entropy_control) if self.entropy_control is not None else None
-    info = {"num_processes": acc.num_processes, "batch": batch_options(self.args), "entropy_control": control}
-
-    policy, optimizer = checkpoint_parts(self)       # FSDP: gathered whole on every process (06p_sharded)
-
-    def main_files(path: Path):
-        save_main_files(path, policy, self.processing_class, optimizer, self.lr_scheduler, state, info)
-        torch.save(self.args, path / TRAINING_ARGS_NAME)         # as the HF Trainer saves every checkpoint
-    process_state = {"position": dataclasses.asdict(position), "rollout": rollout.tensors() if rollout else None,
-                     "rng": rng}
-    final = ckpt.save_checkpoint(self.args.output_dir, state.global_step, acc, main_files, process_state,
-                                 self.args.save_total_limit, state.best_model_checkpoint)
-    self._last_checkpoint = final
-    self.create_model_card()                     # README.md in output_dir, as TRL writes it with each checkpoint
-    if self._best_pending:
-        state.best_model_checkpoint, self._best_pending = str(final), False
-    return final
-
-# %% ../nbs/06_trainer.ipynb
-@patch
-def load_checkpoint(self: GRPOTrainer, path) -> tuple[Position, Rollout | None]:
-    "Restore weights, optimizer, scheduler, state and random state from `path`; return where the stream stands."
-    path, acc = Path(path), self.accelerator
-    self.state, info, saved = ckpt.load_checkpoint(path, *resume_parts(self),
-                                                   self.lr_scheduler, acc.num_processes, acc.process_index,
-                                                   batch_options(self.args))
-    if self.entropy_control is not None and info.get("entropy_control"):
-        saved_control = info["entropy_control"]
-        self.entropy_control.coef = saved_control["coef"]
-        self.entropy_control.last_entropy = saved_control["last_entropy"]
-    set_rng_state(saved["rng"])
-    self._last_checkpoint = path
-    rollout = Rollout(**saved["rollout"]) if saved["rollout"] else None
-    return Position(**saved["position"]), rollout
-
-# %% ../nbs/06_trainer.ipynb
-@patch
-def save_model(self: GRPOTrainer, output_dir: str | Path | None = None) -> Path:
-    "Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."
-    path = Path(output_dir or self.args.output_dir)
-    self.accelerator.wait_for_everyone()
-    state_dict = full_state_dict(self)        # FSDP: every process gathers the weights (06p_sharded); else None
-    if self.accelerator.is_main_process:
-        check_links(path)                     # nothing written through a link out of the folder
-        self.accelerator.unwrap_model(self.model).save_pretrained(path, state_dict=state_dict)
-        self.processing_class.save_pretrained(path)
-        torch.save(self.args, path / TRAINING_ARGS_NAME)
-        _model_card(self, path)
-    self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
-    push_saved_model(self)                    # push_to_hub=True: the HF Trainer's 'Model save' push (06o_hub)
-    return path
-
-# %% ../nbs/06_trainer.ipynb
-@patch
 def get_high_entropy_mask(self: GRPOTrainer, entropies: torch.Tensor, mask: torch.Tensor,
                           threshold: float) -> torch.Tensor:
     "TRL's method: True where a completion token's entropy reaches the `threshold` quantile over all processes' tokens."
     return high_entropy_mask(entropies, mask, threshold, _gather_flat(self.accelerator, entropies[mask.bool()].float()))
-
-# %% ../nbs/06_trainer.ipynb
-@patch
-def plot(self: GRPOTrainer, keys: list[str] | None = None):
-    "Small multiples of the logged metrics (evaluation rewards beside the training reward)."
-    return plot_history(self.state.log_history, keys)
-

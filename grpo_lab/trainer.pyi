@@ -5,53 +5,37 @@ import dataclasses
 import logging
 import math
 import time
-from itertools import islice
 from pathlib import Path
 from typing import Iterator
 import numpy as np
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
 from datasets import IterableDataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
-from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import TrainOutput
-from . import checkpoint as ckpt
 from .advantages import compute_advantages
 from .batching import BatchPlan, plan_for
-from .checkpoint import batch_options, check_links, claim_output_dir, inside, load_weights, resolve_resume, rng_state, save_main_files, set_rng_state
-from .config import GRPOConfig
+from .config import GRPOConfig, is_clip_max
 from .data import load_prompts
-from .logs import append_metrics, mean_metrics, plot_history, print_samples, restart_logs, run_summary, update_best_metric, write_completions
-from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, off_policy_mask, reduce_loss_stats
+from .loss import LossSettings, completion_logps, grpo_loss, high_entropy_mask, importance_sampling_weights, off_policy_mask, reduce_loss_stats
 from .models import reference_logps
 from .assemble import build_bookkeeping, build_scoring, build_update, check_half_precisions, check_output_dir, check_sources, configure_for_streaming, environment_placeholder_dataset, eval_sets, load_model, routes_only, routing_dataset, warn_fp16_without_gpu, warn_length_weighted_sequences
-from .rollout import Completions, SamplingSettings, ContinuousBatchingEngine, GenerateEngine, Rollout, RolloutEngine, length_metrics
-from .sharded import checkpoint_parts, full_state_dict, gathered_for_generation, make_accelerator, resume_parts
+from .engines import make_engine
+from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, RolloutEngine, length_metrics
+from .run import GRPORun, TrainingInterrupted, data_order, resume_hint
+from .sharded import gathered_for_generation, make_accelerator
+from .hub import start_hub
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
-from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, absolute, check_stream_length, epoch_chunks, expand_groups, generation_chunks, generation_rows, process_rows, rollout_micro_steps, row_loader
-from .hub import push_saved_model, start_hub
-from .surface import TrainerSurface, _model_card
-from .tools import RolloutFuncEngine, ToolLoopEngine, check_rollout_output
-from .vllm_engine import importance_sampling_weights, is_clip_max
+from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks, generation_rows, process_rows, rollout_micro_steps
+from .tools import ToolLoopEngine, check_rollout_output
 logger = ...
-__all__ = ['logger', 'TrainingInterrupted', 'NonFiniteLossError', 'GRPOTrainer', 'make_engine', 'TrainingInputs']
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during `train()`: a checkpoint was saved at `step`; resume from `checkpoint`."""
-
-    def __init__(self, step: int, checkpoint: Path):
-        ...
+__all__ = ['logger', 'NonFiniteLossError', 'GRPOTrainer', 'TrainingInputs']
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient became NaN/inf; the weights were not updated."""
 
-def _resume_hint(last: Path | None) -> str:
-    """Where the run can go on from, for error messages."""
-    ...
-
-class GRPOTrainer(TrainerSurface):
+class GRPOTrainer(GRPORun):
     """Group Relative Policy Optimization with TRL's interface: `GRPOTrainer(model, rewards, args, data).train()`."""
     get_off_policy_mask = staticmethod(off_policy_mask)
     args: GRPOConfig
@@ -82,11 +66,6 @@ class GRPOTrainer(TrainerSurface):
     control: TrainerControl
     callback_handler: CallbackHandler
     tools: list
-    _last_checkpoint: Path | None = None
-    _resume_point: tuple | None = None
-    _start_time: float = 0.0
-    _first_step: int = 0
-    _best_pending: bool = False
     samples_elsewhere: bool = False
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None=None, train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks: list[TrainerCallback] | None=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, engine: RolloutEngine | None=None, *, lora_r: int | None=None, lora_alpha: int | None=None, lora_dropout: float=0.0, target_modules='all-linear', load_in_4bit: bool=False):
@@ -128,6 +107,14 @@ class GRPOTrainer(TrainerSurface):
         """Remove a callback (a class or an instance), as in the HF Trainer."""
         ...
 
+    def score_rollout(self, rows: list[dict], out: Completions) -> Rollout:
+        """Stages 2-4 for the completions `out` of this process's `rows`: score, advantages, the rollout and its metrics."""
+        ...
+
+    def epoch_prompts(self, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
+        """The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."""
+        ...
+
     def generation_batches(self, pos: Position) -> Iterator[tuple[Position, int | None, list[dict]]]:
         """The run's generation batches from `pos`, endless (the loop stops at `max_steps`): where each starts, how many
     batches its epoch has (a stream: None until its last) and its prompt rows, one per unique prompt."""
@@ -147,48 +134,16 @@ class GRPOTrainer(TrainerSurface):
         """The HF Trainer's hook, once per micro-batch: forward and backward the micro-step `inputs` carries; its loss."""
         ...
 
-    def log(self, logs: dict, start_time: float | None=None, samples: list | None=None):
-        """Send `logs` to the state's history, metrics.jsonl and every callback."""
-        ...
-
-    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None=None, metric_key_prefix: str='eval') -> dict:
-        """Mean rewards, lengths and loss of completions of held-out prompts: `eval_*` (`eval_<name>_*` per set of a dict)."""
-        ...
-
-    def get_train_dataloader(self) -> DataLoader:
-        """The training rows by generation batch, as the loop reads them this epoch (HF's and TRL's method)."""
-        ...
-
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """The evaluation rows in the batches `evaluate` scores; `eval_dataset` may name one set of a dict (HF's method)."""
-        ...
-
-    def save_checkpoint(self) -> Path:
-        """Save everything needed to resume at this step to `output_dir/checkpoint-<step>/`, atomically."""
-        ...
-
-    def load_checkpoint(self, path) -> tuple[Position, Rollout | None]:
-        """Restore weights, optimizer, scheduler, state and random state from `path`; return where the stream stands."""
-        ...
-
-    def save_model(self, output_dir: str | Path | None=None) -> Path:
-        """Save the policy, its tokenizer, training_args.bin (as TRL) and a model card to `output_dir` (args.output_dir)."""
+    def evaluation_step(self, prompts: list[dict], num_generations: int) -> dict:
+        """One evaluation batch of `prompts`, `num_generations` completions each: loss, rewards and lengths (the run averages)."""
         ...
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's method: True where a completion token's entropy reaches the `threshold` quantile over all processes' tokens."""
         ...
 
-    def plot(self, keys: list[str] | None=None):
-        """Small multiples of the logged metrics (evaluation rewards beside the training reward)."""
-        ...
-
 def _name_tools(trainer: GRPOTrainer, engine: RolloutEngine):
     """TRL's names for the tools: `tools` (all of them), `_env_tools` (per environment) and `_environment_pool`."""
-    ...
-
-def make_engine(trainer, model, engine: RolloutEngine | None=None, *, tools=None, rollout_func=None, environment_factory=None) -> RolloutEngine:
-    """The engine of a run: the one given, vLLM, a user's `rollout_func`, the tool loop, or `default_engine` (06o)."""
     ...
 
 def _completions(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) -> Completions:
@@ -205,10 +160,6 @@ def _as_rollout(trainer: GRPOTrainer, out: Completions, adv: torch.Tensor) -> Ro
 
 def _length_metrics(acc, out: Completions) -> dict:
     """TRL's completion-length metrics of all processes' completions, counting the model's own tokens."""
-    ...
-
-def _scored_rollout(trainer: GRPOTrainer, rows: list[dict], out: Completions) -> Rollout:
-    """Stages 2-4 for the completions `out` of this process's `rows`: score, advantages, the rollout and its metrics."""
     ...
 
 def _samples(prompts: list[str], scored: Scored, rewards: torch.Tensor, adv: torch.Tensor) -> list[dict]:
@@ -230,6 +181,11 @@ def _old_from_loss(trainer: GRPOTrainer) -> bool:
 
 def _sampler_weights(args, rollout: Rollout):
     """TRL's importance-sampling weights of `rollout`'s rows (engine vs policy) and their `sampling/*` metrics."""
+    ...
+
+def _ratio_inputs(trainer: GRPOTrainer, mb: Rollout, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For the loss of micro-batch `mb`, whose current log-probs are `logps`: the sampler's log-probs and TRL's IS
+    weights (None: no correction); with `_old_from_loss`, `mb.old_logps` becomes `logps`, detached."""
     ...
 
 def _keep_old_logps(trainer: GRPOTrainer, step: MicroStep):
@@ -269,14 +225,7 @@ def _reduce_stats(stats: list[dict]) -> dict:
 def _entropy_metrics(trainer: GRPOTrainer) -> dict:
     """At an optimizer step: `entropy_coef` to log (TRL's), after the adaptive controller has seen the step's entropy."""
     ...
-
-def _epoch_chunks(trainer: GRPOTrainer, epoch: int, start: int) -> Iterator[tuple[list[dict], int | None]]:
-    """The prompt rows of each generation batch of `epoch` from batch `start` on, and how many batches the epoch has."""
-    ...
-
-def _data_order(args) -> tuple[int, bool]:
-    """The seed and the shuffle switch of the prompt order (`data_seed` if set, as in the HF Trainer)."""
-    ...
+_epoch_chunks = ...
 
 class _OpenStep:
     """The optimizer step being accumulated: its micro-batches' losses and statistics, and when it began."""
@@ -300,43 +249,6 @@ class TrainingInputs(list):
 
     def __init__(self, rows: list[dict], step: MicroStep):
         ...
-
-@contextlib.contextmanager
-def _checkpoint_on_interrupt(trainer: GRPOTrainer):
-    """Ctrl-C: save a checkpoint at the last completed step, then raise `TrainingInterrupted` naming it."""
-    ...
-
-def _end_step(trainer: GRPOTrainer, step: MicroStep, window: list[dict]):
-    """Count the step, record the resume point, then log, evaluate and save as the callbacks ask."""
-    ...
-
-def _sync_reference_model(trainer: GRPOTrainer):
-    """TR-DPO's reference update, every ref_model_sync_steps: ref = alpha * policy + (1 - alpha) * ref."""
-    ...
-
-def _begin_training(trainer: GRPOTrainer, resume_from_checkpoint) -> tuple[Position | None, Rollout | None]:
-    """Set up the state (fresh or from a checkpoint), the logs and the callbacks; return where to start (None: finished)."""
-    ...
-
-def _already_finished(trainer: GRPOTrainer) -> TrainOutput:
-    """A resumed run whose checkpoint already reached the last step: train nothing, log nothing, say so once."""
-    ...
-
-def _end_training(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> TrainOutput:
-    """Log the summary, load the best model if asked, tell the callbacks; saving the model is the caller's (as in TRL)."""
-    ...
-
-def _summary(trainer: GRPOTrainer, window: list[dict], step_losses: list[float]) -> dict:
-    """Log the run's summary (`06k_logs.run_summary`); return it with the epoch, as `TrainOutput.metrics`."""
-    ...
-
-def _evaluate_set(trainer: GRPOTrainer, dataset) -> dict:
-    """One evaluation set's metrics, averaged over its batches of `per_device_eval_batch_size` completions per process."""
-    ...
-
-def _eval_batching(trainer: GRPOTrainer) -> tuple[int, int]:
-    """Completions per prompt in evaluation, and prompts per batch (`per_device_eval_batch_size` completions a process)."""
-    ...
 
 def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
     """The training loss of an evaluation batch as one micro-batch: on-policy (ratio 1), KL to the reference if beta > 0."""

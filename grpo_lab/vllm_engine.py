@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-from .config import check_vllm_config, is_clip_max
-from .loss import IS_MODES, importance_sampling_weights
 from .rollout import (Completions, RolloutEngine, SamplingSettings, completion_mask, group_starts,
     pad_right, prepare_prompts)
 

@@ -118,7 +118,9 @@ def test_every_public_method_of_the_trainer_is_in_the_stub():
         {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
     public = {name for name in vars(GRPOTrainer) if not name.startswith("_")}
     assert public <= declared, sorted(public - declared)
-    assert {"train", "evaluate", "generation_batches", "generate_and_score", "save_checkpoint", "log"} <= declared
+    assert {"train", "generation_batches", "generate_and_score", "score_rollout", "evaluation_step"} <= declared
+    from grpo_lab.run import GRPORun      # the run's hooks: a class written whole, which GRPOTrainer derives from
+    assert issubclass(GRPOTrainer, GRPORun) and {"evaluate", "save_checkpoint", "log"} <= set(vars(GRPORun))
 
 
 def test_no_private_helper_is_patched_onto_the_trainer():
@@ -140,7 +142,7 @@ def test_a_type_checker_reads_the_patched_methods_from_the_stub(tmp_path):
     stdout, _, _ = api.run([str(script), "--follow-imports=silent", "--ignore-missing-imports", "--no-incremental",
                             "--cache-dir", str(tmp_path / ".mypy_cache")])
     assert "TrainOutput" in stdout, stdout
-    assert 'Argument "metric_key_prefix" to "evaluate" of "GRPOTrainer" has incompatible type' in stdout, stdout
+    assert 'Argument "metric_key_prefix" to "evaluate" of "GRPORun" has incompatible type' in stdout, stdout   # 06n_run
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from grpo_lab.vllm_engine import IS_MODES, importance_sampling_weights, vllm_available
+from grpo_lab.loss import IS_MODES, importance_sampling_weights
+from grpo_lab.vllm_engine import vllm_available
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
