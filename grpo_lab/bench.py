@@ -58,7 +58,7 @@ class BenchSettings:
     seed: int = 0
     threads: int | None = None          # torch CPU threads; None keeps torch's default
     fixed_length: bool = False          # every completion exactly completion_length tokens (min_new_tokens): equal work
-    generation_engine: str = "auto"     # grpo-lab's engine without vLLM (06o_static); TRL samples with generate
+    generation_engine: str = "auto"     # grpo-lab's engine without vLLM (06s_static); TRL samples with generate
 
     def __post_init__(self):
         if self.shape not in SHAPES:

@@ -130,7 +130,7 @@ class GRPOConfig(TrainingArguments):
     # grpo-lab's own
     max_prompt_length: int | None = None
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
-    generation_engine: str = "auto"        # without vLLM: "static" (06o_static), "generate", or "auto" (static on CUDA)
+    generation_engine: str = "auto"        # without vLLM: "static" (06s_static), "generate", or "auto" (static on CUDA)
     log_format: str = "compact"            # the terminal: a line per log (06k_logs), or "trl": TRL's printed dicts
 
     def __post_init__(self):

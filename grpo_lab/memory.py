@@ -91,7 +91,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     kv_cache: float
-    generation_copy: float = 0.0        # the static engine's merged half-precision copy (06o_static)
+    generation_copy: float = 0.0        # the static engine's merged half-precision copy (06s_static)
     static_cache: float = 0.0           # the static engine's KV cache, held through the update
     settings: dict = field(default_factory=dict)
 
@@ -121,7 +121,7 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
                     chunked_logps: bool = True, generation_copy: bool = False, static_cache: bool = False,
                     generation_rows: int | None = None) -> MemoryEstimate:
     """Estimate the GPU memory of a GRPO step for a model (config, hub id, or path) and training settings.
-    `generation_copy`, `static_cache`: the static engine's merged copy and KV cache (06o_static) for `generation_rows`
+    `generation_copy`, `static_cache`: the static engine's merged copy and KV cache (06s_static) for `generation_rows`
     completions sampled together (None: `max(per_device_train_batch_size, num_generations)`)."""
     if load_in_4bit and lora_r is None:
         raise ValueError("load_in_4bit=True with lora_r=None: a 4-bit base trains through LoRA; pass lora_r (e.g. 16).")

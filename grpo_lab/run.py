@@ -283,7 +283,7 @@ class GRPORun(TrainerSurface):
             torch.save(self.args, path / TRAINING_ARGS_NAME)
             _model_card(self, path)
         self.accelerator.wait_for_everyone()      # every process returns once the model is on disk
-        push_saved_model(self)                    # push_to_hub=True: the HF Trainer's 'Model save' push (06o_hub)
+        push_saved_model(self)                    # push_to_hub=True: the HF Trainer's 'Model save' push (06r_hub)
         return path
 
     def plot(self, keys: list[str] | None = None):

@@ -55,7 +55,7 @@ def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling
 class TrainerSurface:
     "The `transformers.Trainer` methods TRL scripts call, written against grpo-lab's trainer state."
     get_gamma_weights = staticmethod(get_gamma_weights)     # TRL's static method (VESPO)
-    hub_model_id: str | None = None   # the repository pushes go to (06o_hub), once created
+    hub_model_id: str | None = None   # the repository pushes go to (06r_hub), once created
     push_in_progress = None           # the uploads started at saves and not finished
     loss_is_scaled_for_ga = True      # the loss is already divided for accumulation (TRL's value)
     log_metrics = trainer_pt_utils.log_metrics          # transformers' own: they read only args, state and the rank
@@ -186,6 +186,6 @@ def create_model_card(self, model_name: str | None = None, dataset_name: str | N
         _model_card(self, Path(self.args.output_dir), model_name, dataset_name, tags)
 
 
-# the hub methods are 06o_hub's: the repository at construction, pushes at saves and at the end
+# the hub methods are 06r_hub's: the repository at construction, pushes at saves and at the end
 for _fn in (create_model_card, init_hf_repo, push_to_hub, _push_from_checkpoint, _finish_current_push):
     setattr(TrainerSurface, _fn.__name__, _fn)

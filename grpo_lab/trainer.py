@@ -127,7 +127,7 @@ class GRPOTrainer(GRPORun):
         build_scoring(self, model, [] if no_rewards else reward_funcs, reward_processing_classes)
         build_update(self, model, optimizers)
         build_bookkeeping(self, callbacks)
-        start_hub(self)                           # push_to_hub=True: the repository now, or a sentence (06o_hub)
+        start_hub(self)                           # push_to_hub=True: the repository now, or a sentence (06r_hub)
 
     @property
     def tokenizer(self):

@@ -323,7 +323,7 @@ def test_engines_in_a_training_step_on_cuda(tmp_path):
 
 
 def test_static_engine_samples_generates_tokens_on_cuda():
-    """The static-cache engine (06o_static), its decode step captured as a CUDA graph, against generate on the GPU with
+    """The static-cache engine (06s_static), its decode step captured as a CUDA graph, against generate on the GPU with
     fp32 weights: greedy completions identical; seeded sampling identical on at least 3 rows in 4 (a compiled kernel
     may round differently and flip a near tie). Eager on the CPU switch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,4 +1,4 @@
-"""The static-cache engine (06o_static) samples what `generate` samples, on the CPU: the same tokens for the same random
+"""The static-cache engine (06s_static) samples what `generate` samples, on the CPU: the same tokens for the same random
 state where the arithmetic is the same (float32, bf16 and fp16 models, greedy and seeded sampling with every sampling
 setting, the shared prefill, LoRA, a 4-bit base), the same distribution from a half-precision merged copy, and a
 training run that learns as the default engine's does."""
