@@ -57,6 +57,8 @@ ASYNC_REFUSED = {
     "fork_threshold_tokens": "it only shapes multi-turn tool conversations, which the async trainer does not run; "
         "leave it at 1024",
     "max_tool_calling_iterations": "the async trainer runs no tool loop; use GRPOTrainer for tools",
+    "dynamic_sampling": "the worker samples ahead of the trainer, so a batch cannot be refilled with more prompts; "
+        "use GRPOTrainer for dynamic sampling",
     "use_vllm": "use_vllm is GRPOTrainer's switch; the async trainer samples from a vLLM server when "
         "vllm_server_base_url names one: start `grpo-lab vllm-serve --model <folder>` and set "
         "vllm_server_base_url='http://127.0.0.1:8000', leaving use_vllm=False",
@@ -108,7 +110,7 @@ def _refuse_async(cfg) -> None:
     changed = {"token_budget": cfg.token_budget is not None and cfg.token_budget > 0,
                "fork_threshold_tokens": cfg.fork_threshold_tokens != 1024,
                "max_tool_calling_iterations": cfg.max_tool_calling_iterations is not None,
-               "use_vllm": bool(cfg.use_vllm)}
+               "use_vllm": bool(cfg.use_vllm), "dynamic_sampling": bool(cfg.dynamic_sampling)}
     for name, reason in ASYNC_REFUSED.items():
         if changed[name]:
             raise ValueError(f"{name}={getattr(cfg, name)!r} is not supported by AsyncGRPOTrainer: {reason}.")

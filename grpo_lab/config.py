@@ -26,7 +26,8 @@ class GRPOConfig(TrainingArguments):
     """Everything a GRPO run needs besides the model, the rewards and the data: TRL 1.16's `GRPOConfig`.
 
     Differences from TRL on purpose: `bf16=None` resolves to bf16 only where the hardware supports it;
-    `max_prompt_length` (cut prompts from the left) and `log_format` (a line per log; "trl" prints TRL's dicts) are
+    `max_prompt_length` (cut prompts from the left), `log_format` (a line per log; "trl" prints TRL's dicts) and
+    `dynamic_sampling` (DAPO's: groups without a spread of rewards replaced by more prompts, 06q_dynamic) are
     grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
     `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
     raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
@@ -132,6 +133,8 @@ class GRPOConfig(TrainingArguments):
     vllm_dtype: str | None = None          # the engine's dtype; None: the policy's (TRL: the checkpoint's)
     generation_engine: str = "auto"        # without vLLM: "static" (06s_static), "generate", or "auto" (static on CUDA)
     log_format: str = "compact"            # the terminal: a line per log (06k_logs), or "trl": TRL's printed dicts
+    dynamic_sampling: bool = False         # DAPO's dynamic sampling (06q_dynamic); TRL 1.16 has no such field
+    dynamic_sampling_max_rounds: int = 4   # the most generation batches one step may sample, the first included
 
     def __post_init__(self):
         self.report_to = "none" if self.report_to is None else self.report_to   # a YAML `report_to: none` reads as None
@@ -241,6 +244,8 @@ def _check_ranges(cfg) -> None:
     check_aggregation(cfg.multi_objective_aggregation)
     check_num_generations(cfg.num_generations)
     check_vllm_config(cfg)
+    _check(cfg.dynamic_sampling_max_rounds >= 1, f"dynamic_sampling_max_rounds={cfg.dynamic_sampling_max_rounds}: the most "
+           "generation batches one step may sample, the first included; use 1 or more (e.g. 4).")
     _check(cfg.generation_engine in ("auto", "generate", "static"), f"generation_engine={cfg.generation_engine!r}: choose "
            "'auto' (the static-cache engine on CUDA, generate on a CPU), 'static' or 'generate'.")
     _check(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0 (sampling needs it; 0.1 is near-greedy).")

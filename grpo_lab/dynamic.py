@@ -109,17 +109,9 @@ def expected_rounds(zero_std_share: float, max_rounds: int) -> float:
     return sum(zero_std_share ** k for k in range(max_rounds))
 
 # %% ../nbs/06q_dynamic.ipynb
-def check_dynamic_sampling(args, unique_prompts: int, num_processes: int, is_async: bool = False) -> None:
-    "Refuse what dynamic sampling cannot do, in one sentence each."
-    if not getattr(args, "dynamic_sampling", False):
-        return
-    if args.dynamic_sampling_max_rounds < 1:
-        raise ValueError(f"dynamic_sampling_max_rounds={args.dynamic_sampling_max_rounds}: the most generation "
-                         "batches one step may sample, the first included; use 1 or more (e.g. 4).")
-    if is_async:
-        raise ValueError("dynamic_sampling=True with AsyncGRPOTrainer: its worker samples ahead of the trainer, so a "
-                         "batch cannot be refilled; use GRPOTrainer for dynamic sampling, or turn it off.")
-    if unique_prompts % num_processes:
+def check_dynamic_sampling(args, unique_prompts: int, num_processes: int) -> None:
+    "Refuse what dynamic sampling cannot do, in one sentence: with several processes each must hold whole groups."
+    if args.dynamic_sampling and unique_prompts % num_processes:
         raise ValueError(f"dynamic_sampling=True needs every process to hold whole groups: "
                          f"{unique_prompts} prompts per generation batch over {num_processes} processes; make the "
                          "prompts per generation batch a multiple of the processes (per_device_train_batch_size x "

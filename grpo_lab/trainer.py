@@ -38,6 +38,7 @@ from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, Rol
 from .run import GRPORun, TrainingInterrupted, data_order, resume_hint   # TrainingInterrupted: importable here too
 from .sharded import gathered_for_generation, make_accelerator
 from .hub import start_hub
+from .dynamic import check_dynamic_sampling, dynamic_sampling_batch
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks,
                             generation_rows, process_rows, rollout_micro_steps)
@@ -114,6 +115,7 @@ class GRPOTrainer(GRPORun):
         warn_fp16_without_gpu(args, self.accelerator.device)
         n_proc = self.accelerator.num_processes
         self.plan = plan_for(args, n_proc, None if self.streaming else len(self.train_dataset))
+        check_dynamic_sampling(args, self.plan.unique_prompts_per_generation, n_proc)
         self.loss_settings = LossSettings.from_config(args, n_proc, self.plan.steps_per_generation)
         torch.manual_seed(args.seed)
         model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
@@ -441,10 +443,13 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
         return self._already_finished()
     step, window, step_losses = _OpenStep(), [], []
     with self._checkpoint_on_interrupt():
-        for pos, n_generations, prompts in self.generation_batches(pos):
+        batches = self.generation_batches(pos)
+        for pos, n_generations, prompts in batches:
             _begin_step(self, step)                          # on_step_begin comes before the step's generation
             if rollout is None:
                 rollout = self.generate_and_score(prompts)   # stages 1-4: sample, score, advantages
+                if self.args.dynamic_sampling:               # DAPO: groups that teach, drawn from more prompts (06q)
+                    rollout, pos, n_generations = _fill_with_informative_groups(self, rollout, pos, n_generations, batches)
             for micro in rollout_micro_steps(rollout, pos, n_generations, self.args, self.streaming):
                 _begin_step(self, step)
                 inputs = TrainingInputs(rollout.rows, micro)
@@ -459,6 +464,21 @@ def train(self: GRPOTrainer, resume_from_checkpoint: bool | str | Path | None = 
                 if self.control.should_training_stop:
                     return self._end_training(window, step_losses)
             rollout = None
+
+# %% ../nbs/06_trainer.ipynb
+def _fill_with_informative_groups(trainer: GRPOTrainer, rollout: Rollout, pos: Position, n_generations: int | None,
+                                  batches) -> tuple[Rollout, Position, int | None]:
+    "DAPO's dynamic sampling: `rollout` refilled with groups that teach from the next generation batches of `batches`."
+    acc = trainer.accelerator
+    more = ((p, n, trainer.generate_and_score(prompts)) for p, n, prompts in batches)   # sampled only when drawn
+    everyone_full = lambda full: acc.gather(torch.tensor([int(not full)], device=acc.device)).sum().item() == 0
+    filled = dynamic_sampling_batch(rollout, pos, n_generations, more, trainer.args.dynamic_sampling_max_rounds,
+                                    everyone_full)
+    batch = filled.rollout
+    batch.num_items_in_batch = acc.gather(batch.loss_mask.sum().reshape(1)).sum().item()   # dapo's tokens, recounted
+    sum_over_processes = lambda counts: acc.gather(counts.to(acc.device).reshape(1, -1)).sum(0).cpu()
+    batch.metrics = {**batch.metrics, **filled.metrics(sum_over_processes)}
+    return batch, filled.position, filled.n_generations
 
 # %% ../nbs/06_trainer.ipynb
 class _OpenStep:

@@ -26,6 +26,7 @@ from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, Rol
 from .run import GRPORun, TrainingInterrupted, data_order, resume_hint
 from .sharded import gathered_for_generation, make_accelerator
 from .hub import start_hub
+from .dynamic import check_dynamic_sampling, dynamic_sampling_batch
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks, generation_rows, process_rows, rollout_micro_steps
 from .tools import ToolLoopEngine, check_rollout_output
@@ -226,6 +227,10 @@ def _entropy_metrics(trainer: GRPOTrainer) -> dict:
     """At an optimizer step: `entropy_coef` to log (TRL's), after the adaptive controller has seen the step's entropy."""
     ...
 _epoch_chunks = ...
+
+def _fill_with_informative_groups(trainer: GRPOTrainer, rollout: Rollout, pos: Position, n_generations: int | None, batches) -> tuple[Rollout, Position, int | None]:
+    """DAPO's dynamic sampling: `rollout` refilled with groups that teach from the next generation batches of `batches`."""
+    ...
 
 class _OpenStep:
     """The optimizer step being accumulated: its micro-batches' losses and statistics, and when it began."""
