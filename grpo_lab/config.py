@@ -30,8 +30,12 @@ class GRPOConfig(TrainingArguments):
     `dynamic_sampling` (DAPO's: groups without a spread of rewards replaced by more prompts, 06q_dynamic) are
     grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
     `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
-    raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
-    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
+    raise a `ValueError` when set to anything but their default (so TRL scripts that pass every default still run),
+    among them HF Trainer options of a loop grpo-lab replaces (`save_only_model`, `ignore_data_skip`,
+    `train_sampling_strategy`, ...); those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
+    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer). The HF Trainer's `dataloader_*` (on
+    `get_train_dataloader`/`get_eval_dataloader`), `ddp_*`, `log_level`/`log_level_replica`/`log_on_each_node` (for
+    grpo-lab's loggers), `full_determinism` and `gradient_checkpointing_kwargs` act as they do there."""
     # the dict options TrainingArguments reads from JSON text (a command line, a YAML string), TRL's list
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
         "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]

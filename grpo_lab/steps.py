@@ -141,8 +141,11 @@ class StreamBatches(torch.utils.data.IterableDataset):
 
 
 def loader_options(args) -> dict:
-    "The config's `dataloader_*` options as `torch.utils.data.DataLoader` arguments (those for workers only with workers)."
-    options = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
+    """The config's `dataloader_*` options as `torch.utils.data.DataLoader` arguments (those for workers only with workers).
+
+    Memory is pinned only where there is a GPU to copy to (torch warns on a CPU run, where pinning does nothing)."""
+    pin = args.dataloader_pin_memory and not args.use_cpu and torch.cuda.is_available()
+    options = {"num_workers": args.dataloader_num_workers, "pin_memory": pin}
     if args.dataloader_num_workers:
         options |= {"persistent_workers": args.dataloader_persistent_workers,
                     "prefetch_factor": args.dataloader_prefetch_factor,

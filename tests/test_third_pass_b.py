@@ -194,8 +194,8 @@ def test_dataloader_ddp_log_level_determinism_and_checkpointing_options_reach_wh
         trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32))
         assert logger.level == logging.ERROR and torch.are_deterministic_algorithms_enabled()
         loader = trainer.get_train_dataloader()
-        assert (loader.pin_memory, loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (False, 1, True, 3)
-        assert len(next(iter(loader))) == 8 and not trainer.get_eval_dataloader(arithmetic_task(8)).pin_memory
+        assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (1, True, 3)
+        assert len(next(iter(loader))) == 8 and trainer.get_eval_dataloader(arithmetic_task(8)).prefetch_factor == 3
         layers = [m for m in trainer.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
         assert layers and all(m._gradient_checkpointing_func.keywords == {"use_reentrant": True} for m in layers)
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -204,6 +204,12 @@ def test_dataloader_ddp_log_level_determinism_and_checkpointing_options_reach_wh
     finally:
         logger.setLevel(before)
         torch.use_deterministic_algorithms(False)
+    from grpo_lab.steps import loader_options
+    pinned, unpinned, on_cpu = small_args(tmp_path), small_args(tmp_path, dataloader_pin_memory=False), \
+        small_args(tmp_path, use_cpu=True)
+    with pytest.MonkeyPatch.context() as gpu:              # pinned where a GPU is (a CPU run pins nothing: torch warns)
+        gpu.setattr(torch.cuda, "is_available", lambda: True)
+        assert [loader_options(a)["pin_memory"] for a in (pinned, unpinned, on_cpu)] == [True, False, False]
     (handler,) = ddp_options(small_args(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=50,
                                          ddp_broadcast_buffers=False, ddp_static_graph=True))
     assert handler.to_kwargs() == {"find_unused_parameters": True, "bucket_cap_mb": 50, "broadcast_buffers": False,
