@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import PartialState
-from transformers import TrainerControl, TrainerState, get_scheduler
+from transformers import TrainerControl, TrainerState, enable_full_determinism, get_scheduler
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 
@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 # %% auto 0
 __all__ = ['logger', 'EMPTY_PROMPT', 'check_output_dir', 'eval_sets', 'configure_for_streaming',
            'environment_placeholder_dataset', 'routing_dataset', 'has_dropout', 'warn_length_weighted_sequences',
-           'warn_fp16_without_gpu', 'check_half_precisions', 'cast_lm_head_to_fp32', 'load_model', 'make_optimizer',
-           'seed_process', 'completion_room', 'missing_trackers', 'check_trackers', 'Callbacks', 'progress_callback',
-           'make_callbacks', 'check_sources', 'routes_only', 'build_scoring', 'build_update', 'build_bookkeeping']
+           'warn_fp16_without_gpu', 'check_half_precisions', 'cast_lm_head_to_fp32', 'process_settings', 'load_model',
+           'make_optimizer', 'seed_process', 'completion_room', 'missing_trackers', 'check_trackers', 'Callbacks',
+           'progress_callback', 'make_callbacks', 'check_sources', 'routes_only', 'build_scoring', 'build_update',
+           'build_bookkeeping']
 
 # %% ../nbs/06h_assemble.ipynb
 def check_output_dir(output_dir) -> None:
@@ -186,12 +187,30 @@ def _init_kwargs(args, model, quantization_config) -> dict:
     return {**init_kwargs, "quantization_config": quantization_config}
 
 # %% ../nbs/06h_assemble.ipynb
+def process_settings(args) -> None:
+    """The config's settings of this process, applied before the model loads.
+
+    - `log_level` for grpo-lab's loggers on the main process (each node's with `log_on_each_node`), `log_level_replica`
+      on the others; 'passive' leaves the level as it is (the HF Trainer does the same for transformers' logger);
+    - `full_determinism`: transformers' `enable_full_determinism` (deterministic torch algorithms, cuDNN and cuBLAS;
+      slower), as the HF Trainer calls it."""
+    state = PartialState()
+    main = state.is_local_main_process if args.log_on_each_node else state.is_main_process
+    level = args.log_level if main else args.log_level_replica
+    if level != "passive":
+        logging.getLogger("grpo_lab").setLevel(level.upper())
+    if args.full_determinism:
+        enable_full_determinism(args.seed)
+
+
 def load_model(args, model, processing_class, peft_config, quantization_config=None, **shortcuts):
     "The policy and its tokenizer: `load_policy` with the config's options, TRL's `quantization_config` and grpo-lab's `lora_r`-style `shortcuts`."
+    process_settings(args)
     init_kwargs = _init_kwargs(args, model, quantization_config)
     trust_remote_code = init_kwargs.pop("trust_remote_code", args.trust_remote_code)    # model_init_kwargs wins (TRL)
     model, tokenizer = load_policy(model, tokenizer=processing_class, peft_config=peft_config,
-                                   gradient_checkpointing=args.gradient_checkpointing,
+                                   gradient_checkpointing=args.gradient_checkpointing and   # its kwargs too (a dict)
+                                   (args.activation_checkpointing_kwargs or True),
                                    trust_remote_code=trust_remote_code, **shortcuts, **init_kwargs)
     if args.disable_dropout:
         for module in model.modules():

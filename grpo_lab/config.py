@@ -30,8 +30,12 @@ class GRPOConfig(TrainingArguments):
     `dynamic_sampling` (DAPO's: groups without a spread of rewards replaced by more prompts, 06q_dynamic) are
     grpo-lab's; LoRA and 4-bit loading are not fields (TRL's
     `ModelConfig` owns those names; grpo-lab's shortcuts are `GRPOTrainer` arguments); the fields in `REFUSED_OPTIONS`
-    raise a `ValueError` when set, those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
-    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer)."""
+    raise a `ValueError` when set to anything but their default (so TRL scripts that pass every default still run),
+    among them HF Trainer options of a loop grpo-lab replaces (`save_only_model`, `ignore_data_skip`,
+    `train_sampling_strategy`, ...); those in `WITHOUT_EFFECT` have nothing to act on (the reason is given there), and
+    `max_grad_norm` <= 0 or None means no clipping (as in the HF Trainer). The HF Trainer's `dataloader_*` (on
+    `get_train_dataloader`/`get_eval_dataloader`), `ddp_*`, `log_level`/`log_level_replica`/`log_on_each_node` (for
+    grpo-lab's loggers), `full_determinism` and `gradient_checkpointing_kwargs` act as they do there."""
     # the dict options TrainingArguments reads from JSON text (a command line, a YAML string), TRL's list
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
         "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]
@@ -184,6 +188,33 @@ REFUSED_OPTIONS = {
     "remove_unused_columns": "grpo-lab passes every dataset column to the reward functions (TRL's default, False)",
     "log_unique_prompts": "it filters TRL's completions table in wandb/trackio, which grpo-lab does not log; the "
                           "completions are in output_dir/completions/*.parquet (pandas: df.drop_duplicates('prompt'))",
+    # transformers.TrainingArguments' options that grpo-lab's own loop replaces (TRL's GRPOTrainer runs HF's loop)
+    "train_sampling_strategy": "grpo-lab draws each generation batch's prompts by a seeded shuffle (seed, "
+                               "shuffle_dataset) and keeps each prompt's group whole; for the dataset's order use "
+                               "shuffle_dataset=False ('group_by_length' and 'batch_rebalance' are not supported)",
+    "dataloader_drop_last": "an incomplete training generation batch is dropped already (as TRL's sampler does) and "
+                            "evaluation scores every held-out prompt; to evaluate fewer, pass eval_dataset.select(range(n))",
+    "ignore_data_skip": "a grpo-lab resume continues at the next prompt of the checkpoint's data order, with no other "
+                        "mode; to start the data over, begin a new run from the checkpoint's weights (model=<checkpoint folder>)",
+    "save_only_model": "grpo-lab's checkpoints keep the optimizer and scheduler so that a resume is exact; for the "
+                       "weights alone call trainer.save_model(), and bound the checkpoints' disk with save_total_limit",
+    "save_on_each_node": "grpo-lab writes checkpoints and the model from the main process only; put output_dir on a "
+                         "file system that every node sees",
+    "restore_callback_states_from_checkpoint": "grpo-lab restores the trainer's state and its own, not the callbacks' "
+                                               "(e.g. EarlyStoppingCallback's patience); a callback that must survive "
+                                               "a resume can write its state in on_save",
+    "enable_jit_checkpoint": "grpo-lab saves a checkpoint on Ctrl-C (SIGINT), not on SIGTERM; have the orchestrator "
+                             "send SIGINT first (kill -INT), or save every few steps (save_strategy='steps', save_steps)",
+    "bf16_full_eval": "grpo-lab evaluates the model being trained, in the dtype it trains in; to evaluate in bfloat16, "
+                      "load it in bfloat16 (model_init_kwargs={'dtype': 'bfloat16'})",
+    "fp16_full_eval": "grpo-lab evaluates the model being trained, in the dtype it trains in; to evaluate in float16, "
+                      "load it in float16 (model_init_kwargs={'dtype': 'float16'})",
+    "skip_memory_metrics": "grpo-lab adds no memory profiler reports to the metrics; read torch.cuda.max_memory_allocated() "
+                           "after train(), or estimate a run's memory beforehand (05a_memory)",
+    "logging_nan_inf_filter": "grpo-lab's logged averages always leave NaN values out, with no setting to keep them; "
+                              "a NaN loss shows in the step's own values in output_dir/metrics.jsonl",
+    "parallelism_config": "grpo-lab runs data-parallel processes (DDP) or FSDP, from `accelerate launch --config_file` "
+                          "(see `grpo-lab export`, 08_scale); tensor, context and sequence parallelism are not supported",
 }
 
 # TRL fields with nothing to act on in grpo-lab: accepted at any value, with the reason (a test checks every field
@@ -191,6 +222,23 @@ REFUSED_OPTIONS = {
 WITHOUT_EFFECT = {
     "log_multimodal": "it logs the images of multimodal prompts; grpo-lab trains text models and refuses images, so "
                       "there is nothing to log (TRL with a text model ignores it the same way)",
+    # transformers.TrainingArguments' options for parts of the HF Trainer that a GRPO run never reaches
+    "average_tokens_across_devices": "GRPO's loss_type sets how tokens are counted across processes ('dapo', "
+                                     "'cispo' and 'vespo' count them over all processes); TRL 1.16's GRPOTrainer does not read it either",
+    "include_num_input_tokens_seen": "the HF Trainer counts the input_ids of a batch, and a GRPO batch is rows of text "
+                                     "(TRL 1.16 counts nothing); grpo-lab always logs the tokens seen as num_tokens",
+    "prediction_loss_only": "grpo-lab's evaluate samples completions and reports their rewards: there are no "
+                            "predictions or labels to return",
+    "eval_accumulation_steps": "it moves accumulated predictions to the CPU; grpo-lab's evaluate gathers rewards, not predictions",
+    "eval_do_concat_batches": "it concatenates predictions across batches; grpo-lab's evaluate gathers rewards, not predictions",
+    "eval_use_gather_object": "it gathers nested prediction objects; grpo-lab's evaluate gathers rewards, not predictions",
+    "batch_eval_metrics": "it calls compute_metrics per batch; GRPOTrainer takes no compute_metrics (TRL's neither)",
+    "include_for_metrics": "it adds inputs or losses to compute_metrics' arguments; GRPOTrainer takes no compute_metrics",
+    "label_names": "GRPO's batches have no labels (the rewards score the completions)",
+    "length_column_name": "read only by train_sampling_strategy='group_by_length', which is refused",
+    "liger_kernel_config": "read only with use_liger_kernel=True, which is refused",
+    "local_rank": "the argument of the deprecated torch.distributed.launch, kept so that scripts parse; transformers "
+                  "5 does not read it either: the rank comes from the launcher's environment (LOCAL_RANK), as accelerate reads it",
 }
 
 
@@ -203,7 +251,8 @@ def _refuse_unsupported(cfg) -> None:
     "Raise for any field of `REFUSED_OPTIONS` set to a value that would change the run."
     for name, reason in REFUSED_OPTIONS.items():
         value = getattr(cfg, name)
-        if value != _default(type(cfg), name) and value not in (None, "", [], False):
+        default = _default(type(cfg), name)
+        if value != default and not (value in (None, "", [], False) and default in (None, "", [], False)):
             raise ValueError(f"{name}={short_repr(value)} is not supported by grpo-lab: {reason}.")
 
 # %% ../nbs/06a_config.ipynb

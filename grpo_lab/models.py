@@ -429,9 +429,11 @@ def _dtype_kwarg() -> str:
 # %% ../nbs/05_models.ipynb
 def load_policy(model_name_or_path, *, tokenizer=None, load_in_4bit: bool = False, lora_r: int | None = None,
                 lora_alpha: int | None = None, lora_dropout: float = 0.0, target_modules="all-linear",
-                peft_config=None, gradient_checkpointing: bool = False, torch_dtype=None, device_map=None,
+                peft_config=None, gradient_checkpointing: bool | dict = False, torch_dtype=None, device_map=None,
                 trust_remote_code: bool = False, **model_init_kwargs):
-    "The policy to train and its tokenizer: full fine-tuning, LoRA (`lora_r` or `peft_config`), or LoRA on a 4-bit base."
+    """The policy to train and its tokenizer: full fine-tuning, LoRA (`lora_r` or `peft_config`), or LoRA on a 4-bit base.
+
+    `gradient_checkpointing`: False, True, or a dict of the checkpointing call's keyword arguments (which turns it on)."""
     built = isinstance(model_name_or_path, PreTrainedModel) or _is_peft_model(model_name_or_path)
     if not built and not isinstance(model_name_or_path, (str, os.PathLike)):
         raise TypeError(f"model must be a folder, a hub id, a PreTrainedModel or a PeftModel, got "
@@ -498,13 +500,19 @@ def _load_tokenizer(name: str, model, trust_remote_code: bool):
     return tokenizer
 
 
-def _prepare_for_training(model, adapter, load_in_4bit: bool, gradient_checkpointing: bool):
+def _prepare_for_training(model, adapter, load_in_4bit: bool, gradient_checkpointing: bool | dict):
     """Freeze a 4-bit base, turn on gradient checkpointing, and add the adapter (checked against the model's layers).
+
+    `gradient_checkpointing` may be a dict (the config's `gradient_checkpointing_kwargs`), read as the HF Trainer reads
+    it: `every_n_layers` and `offload` for transformers' checkpointing call, the rest for torch's `checkpoint` on top
+    of grpo-lab's `use_reentrant=False` (e.g. `{"every_n_layers": 2}` checkpoints every other layer).
 
     A 4-bit base keeps its embeddings and norms in the dtype they were loaded in, as TRL 1.16 does: peft's
     `prepare_model_for_kbit_training` would upcast them to float32, which makes the whole residual stream float32
     (every saved activation twice the size, and a float32 LM head): +6 GB at Qwen2.5-1.5B, 8 x (64 + 128) tokens."""
-    checkpointing = {"use_reentrant": False}
+    checkpointing = {"use_reentrant": False, **(gradient_checkpointing if isinstance(gradient_checkpointing, dict) else {})}
+    # transformers' own options (as its Trainer takes them out of the dict); the rest go to torch's checkpoint
+    layers = {k: checkpointing.pop(k) for k in ("every_n_layers", "offload") if k in checkpointing}
     with warnings.catch_warnings():  # peft still asks transformers 5 for the deprecated `is_gradient_checkpointing`
         warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
         if load_in_4bit:
@@ -513,9 +521,9 @@ def _prepare_for_training(model, adapter, load_in_4bit: bool, gradient_checkpoin
             _keep_4bit_trainable(model)
         if gradient_checkpointing:      # transformers 5.24 renamed it (the old name warns); older ones have the old name
             if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(checkpointing)
+                model.activation_checkpointing_enable(checkpointing, **layers)
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing, **layers)
             if adapter is not None or _is_peft_model(model):
                 model.enable_input_require_grads()
         if adapter is not None:

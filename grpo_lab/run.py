@@ -27,7 +27,7 @@ from .logs import (append_metrics, mean_metrics, plot_history, print_samples, re
 from .hub import push_saved_model
 from .rollout import Rollout
 from .sharded import checkpoint_parts, full_state_dict, resume_parts
-from .steps import MicroStep, Position, absolute, generation_chunks, row_loader
+from .steps import MicroStep, Position, absolute, generation_chunks, loader_options, row_loader
 from .surface import TrainerSurface, _model_card
 
 logger = logging.getLogger("grpo_lab.trainer")      # the run speaks as the trainer, under the trainer's logger
@@ -214,7 +214,7 @@ class GRPORun(TrainerSurface):
         chunks = None if self.streaming else generation_chunks(len(self.train_dataset), unique, seed,
                                                                int(self.state.epoch), shuffle=shuffle)
         return row_loader(self.train_dataset, chunks, unique, self.args.num_generations, self.accelerator,
-                          self.args.dataloader_num_workers)
+                          **loader_options(self.args))
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         "The evaluation rows in the batches `evaluate` scores; `eval_dataset` may name one set of a dict (HF's method)."
@@ -231,7 +231,7 @@ class GRPORun(TrainerSurface):
         G, prompts = self._eval_batching()
         chunks = None if isinstance(dataset, IterableDataset) else \
             [range(s, min(s + prompts, len(dataset))) for s in range(0, len(dataset), prompts)]
-        return row_loader(dataset, chunks, prompts, G, self.accelerator, self.args.dataloader_num_workers)
+        return row_loader(dataset, chunks, prompts, G, self.accelerator, **loader_options(self.args))
 
     # checkpoints
     def save_checkpoint(self) -> Path:

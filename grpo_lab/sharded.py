@@ -10,12 +10,12 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin
 
 # %% auto 0
-__all__ = ['mixed_precision', 'make_accelerator', 'shard_on_cpu', 'is_sharded', 'prepare_reference', 'check_sharded_adapter',
-           'gathered_weights', 'gathered_for_generation', 'full_state_dict', 'checkpoint_parts', 'resume_parts',
-           'held_bytes']
+__all__ = ['mixed_precision', 'ddp_options', 'make_accelerator', 'shard_on_cpu', 'is_sharded', 'prepare_reference',
+           'check_sharded_adapter', 'gathered_weights', 'gathered_for_generation', 'full_state_dict',
+           'checkpoint_parts', 'resume_parts', 'held_bytes']
 
 # %% ../nbs/06p_sharded.ipynb
 def mixed_precision(args) -> str:
@@ -23,11 +23,21 @@ def mixed_precision(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
 
 
+def ddp_options(args) -> list[DistributedDataParallelKwargs]:
+    """The config's `ddp_*` options for DistributedDataParallel (as the HF Trainer passes them); none set, none passed.
+
+    (`ddp_backend` and `ddp_timeout` are read by transformers itself: `TrainingArguments` starts the process group.)"""
+    given = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}
+    given = {name: value for name, value in given.items() if value is not None}
+    return [DistributedDataParallelKwargs(**given)] if given else []
+
+
 def make_accelerator(args) -> Accelerator:
     """The run's `Accelerator`. Launched for FSDP (`ACCELERATE_USE_FSDP=true`) on CPU processes, it shards like FSDP on
     GPUs: accelerate 1.15 chooses FSDP only on accelerators and runs CPU processes as DDP, so grpo-lab switches the
     distributed type to FSDP once accelerate has set up the gloo process group (`shard_on_cpu`)."""
-    acc = Accelerator(mixed_precision=mixed_precision(args), cpu=args.use_cpu)
+    acc = Accelerator(mixed_precision=mixed_precision(args), cpu=args.use_cpu, kwargs_handlers=ddp_options(args))
     if acc.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         shard_on_cpu(acc, FullyShardedDataParallelPlugin())
     return acc

@@ -20,8 +20,8 @@ from .rollout import Rollout
 
 # %% auto 0
 __all__ = ['Position', 'MicroStep', 'advance', 'micro_batches', 'rollout_micro_steps', 'generation_chunks', 'expand_groups',
-           'process_rows', 'generation_rows', 'stream_chunks', 'check_stream_length', 'StreamBatches', 'row_loader',
-           'epoch_chunks', 'absolute', 'AdaptiveEntropy', 'EntropyWindow']
+           'process_rows', 'generation_rows', 'stream_chunks', 'check_stream_length', 'StreamBatches', 'loader_options',
+           'row_loader', 'epoch_chunks', 'absolute', 'AdaptiveEntropy', 'EntropyWindow']
 
 # %% ../nbs/06g_steps.ipynb
 @dataclass
@@ -140,15 +140,35 @@ class StreamBatches(torch.utils.data.IterableDataset):
             yield generation_rows(chunk, self.G, self.acc.num_processes, self.acc.process_index)[0]
 
 
+def loader_options(args) -> dict:
+    """The config's `dataloader_*` options as `torch.utils.data.DataLoader` arguments (those for workers only with workers).
+
+    Memory is pinned only where there is a GPU to copy to (torch warns on a CPU run, where pinning does nothing)."""
+    pin = args.dataloader_pin_memory and not args.use_cpu and torch.cuda.is_available()
+    options = {"num_workers": args.dataloader_num_workers, "pin_memory": pin}
+    if args.dataloader_num_workers:
+        options |= {"persistent_workers": args.dataloader_persistent_workers,
+                    "prefetch_factor": args.dataloader_prefetch_factor,
+                    "multiprocessing_context": args.dataloader_multiprocessing_context}
+        if not args.dataloader_in_order:        # torch >= 2.6 takes it; left out at its default for older ones
+            options["in_order"] = False
+    return options
+
+
 def row_loader(dataset, chunks: list[list[int]] | None, prompts: int, G: int, accelerator,
-               num_workers: int = 0) -> DataLoader:
-    "A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time."
+               num_workers: int = 0, **options) -> DataLoader:
+    """A DataLoader of lists of row dicts: index `chunks` of a map-style dataset, or a stream read `prompts` at a time.
+
+    `options`: more `DataLoader` arguments (`loader_options(args)`: the config's `dataloader_*` fields)."""
     if isinstance(dataset, IterableDataset):     # one worker: several would each read the stream and split groups
-        return DataLoader(StreamBatches(dataset, prompts, G, accelerator), batch_size=None, num_workers=0)
+        worker_only = ("persistent_workers", "in_order", "prefetch_factor", "multiprocessing_context")
+        return DataLoader(StreamBatches(dataset, prompts, G, accelerator), batch_size=None, num_workers=0,
+                          **{k: v for k, v in options.items() if k not in worker_only})
     mine = lambda chunk: expand_groups(list(chunk), G)[process_rows(len(chunk) * G, accelerator.num_processes,
                                                                       accelerator.process_index)]
     plain = dataset.with_format(None) if dataset.format["type"] else dataset
-    return DataLoader(plain, batch_sampler=[mine(c) for c in chunks], collate_fn=list, num_workers=num_workers)
+    return DataLoader(plain, batch_sampler=[mine(c) for c in chunks], collate_fn=list, num_workers=num_workers,
+                      **options)
 
 # %% ../nbs/06g_steps.ipynb
 def epoch_chunks(dataset, streaming: bool, unique: int, seed: int, shuffle: bool, epoch: int,

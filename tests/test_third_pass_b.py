@@ -120,23 +120,12 @@ def _transformers_readers() -> dict:
             "trackio_bucket_id": integration_utils, "trackio_static_space_id": integration_utils,
             "optim_args": optimizer, "optim_target_modules": trainer_optimizer,      # the optimizer's handlers
             "activation_checkpointing": post_init, "tf32": post_init,        # mirrored to gradient_checkpointing; torch's
-            "torch_compile_backend": post_init, "torch_compile_mode": post_init}   # they set torch_compile (refused)
+            "torch_compile_backend": post_init, "torch_compile_mode": post_init,   # they set torch_compile (refused)
+            "gradient_checkpointing_kwargs": post_init,   # mirrors activation_checkpointing_kwargs, which grpo-lab reads
+            # the process group, which GRPOConfig's own __post_init__ starts (grpo-lab's Accelerator then uses it)
+            "ddp_backend": TrainingArguments._setup_devices.func, "ddp_timeout": TrainingArguments._setup_devices.func}
 
 
-# Inherited from transformers.TrainingArguments and read by the HF Trainer's own loop, which grpo-lab replaces: accepted
-# and without effect today (DataLoader, DDP, prediction and logging-level options). Listed so that a NEW unread field
-# fails the walk; each is work left (honour it or refuse it) -- see issue 41's report.
-KNOWN_UNREAD_INHERITED = {
-    "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "average_tokens_across_devices",
-    "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "dataloader_drop_last", "dataloader_in_order",
-    "dataloader_multiprocessing_context", "dataloader_persistent_workers", "dataloader_pin_memory",
-    "dataloader_prefetch_factor", "ddp_backend", "ddp_broadcast_buffers", "ddp_bucket_cap_mb",
-    "ddp_find_unused_parameters", "ddp_static_graph", "ddp_timeout", "enable_jit_checkpoint", "ignore_data_skip", "eval_accumulation_steps", "eval_do_concat_batches", "eval_use_gather_object",
-    "full_determinism", "include_for_metrics", "include_num_input_tokens_seen", "label_names", "length_column_name",
-    "liger_kernel_config", "local_rank", "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
-    "parallelism_config", "prediction_loss_only", "restore_callback_states_from_checkpoint", "save_on_each_node",
-    "save_only_model", "skip_memory_metrics", "train_sampling_strategy",
-}
 # transformers' own words for these: "not directly used by Trainer, it's intended to be used by your training/evaluation
 # scripts instead"; grpo-lab's scripts (06i_scripts) do the same as TRL's.
 FOR_SCRIPTS = {"do_train", "do_eval", "do_predict", "resume_from_checkpoint"}
@@ -157,14 +146,75 @@ def test_every_grpoconfig_field_is_honoured_refused_or_explained():
         if re.search(rf"\.{name}\b|[\"']{name}[\"']", reads) or name in REFUSED_OPTIONS or name in WITHOUT_EFFECT:
             continue
         if name in readers:
-            assert re.search(rf"\.{name}\b", inspect.getsource(readers[name])), f"{name}: its reader no longer reads it"
+            # (read as an attribute, or by name: __post_init__ mirrors the checkpointing aliases through getattr/setattr)
+            assert re.search(rf"\.{name}\b|[\"']{name}[\"']", inspect.getsource(readers[name])), \
+                f"{name}: its reader no longer reads it"
             continue
-        if name in OWNED_ELSEWHERE or (name in inherited and name in KNOWN_UNREAD_INHERITED | FOR_SCRIPTS):
+        if name in OWNED_ELSEWHERE or (name in inherited and name in FOR_SCRIPTS):
             continue
         unread.append(name)
     assert unread == [], f"GRPOConfig fields read nowhere (honour them, refuse them, or list them with a reason): {unread}"
-    stale = {n for n in KNOWN_UNREAD_INHERITED | OWNED_ELSEWHERE if re.search(rf"\.{n}\b", reads)}
-    assert stale == set(), f"now read by grpo_lab, drop them from the known-unread lists: {stale}"
+    stale = {n for n in OWNED_ELSEWHERE if re.search(rf"\.{n}\b", reads)}
+    assert stale == set(), f"now read by grpo_lab, drop them from OWNED_ELSEWHERE: {stale}"
+
+
+
+# the HF Trainer's options, as a TRL script sets them: each refused in a sentence when set, its default accepted
+REFUSED_SETTINGS = {"train_sampling_strategy": "group_by_length", "dataloader_drop_last": True, "ignore_data_skip": True,
+                    "save_only_model": True, "save_on_each_node": True, "restore_callback_states_from_checkpoint": True,
+                    "enable_jit_checkpoint": True, "bf16_full_eval": True, "fp16_full_eval": True,
+                    "skip_memory_metrics": False, "logging_nan_inf_filter": False,
+                    "parallelism_config": {"tp_size": 2}}
+
+
+def test_the_hf_trainers_options_grpo_lab_does_not_run_are_refused_when_set_and_accepted_at_their_defaults(tmp_path):
+    "Accepted and ignored before (issue 41): a value that would change an HF Trainer run is refused; TRL's default passes."
+    from grpo_lab.config import REFUSED_OPTIONS
+    from trl import GRPOConfig as TRLGRPOConfig
+    assert REFUSED_SETTINGS.keys() <= REFUSED_OPTIONS.keys()
+    trl = TRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    trl_defaults = {name: getattr(trl, name) for name in REFUSED_SETTINGS}
+    small_args(tmp_path, **trl_defaults)            # what TrlParser passes when the script's user sets none of them
+    for name, value in REFUSED_SETTINGS.items():
+        with pytest.raises(ValueError, match=rf"^{name}=.* is not supported by grpo-lab: .+"):
+            small_args(tmp_path, use_cpu=True, **{name: value})     # (on the CPU transformers lets *_full_eval through)
+
+
+def test_dataloader_ddp_log_level_determinism_and_checkpointing_options_reach_what_they_set(tmp_path):
+    "dataloader_*, ddp_*, log_level, full_determinism and gradient_checkpointing_kwargs take effect (issue 41)."
+    import logging
+    import torch
+    from grpo_lab.sharded import ddp_options
+    logger, before = logging.getLogger("grpo_lab"), logging.getLogger("grpo_lab").level
+    try:
+        args = small_args(tmp_path, max_steps=1, dataloader_pin_memory=False, dataloader_num_workers=1,
+                          dataloader_persistent_workers=True, dataloader_prefetch_factor=3, log_level="error",
+                          full_determinism=True, gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})
+        trainer = GRPOTrainer(TINY, exact_answer, args=args, train_dataset=arithmetic_task(32))
+        assert logger.level == logging.ERROR and torch.are_deterministic_algorithms_enabled()
+        loader = trainer.get_train_dataloader()
+        assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (1, True, 3)
+        assert len(next(iter(loader))) == 8 and trainer.get_eval_dataloader(arithmetic_task(8)).prefetch_factor == 3
+        layers = [m for m in trainer.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        assert layers and all(m._gradient_checkpointing_func.keywords == {"use_reentrant": True} for m in layers)
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        blocks = [m.gradient_checkpointing for m in layers if isinstance(m, GradientCheckpointingLayer)]
+        assert len(blocks) >= 2 and blocks == [i % 2 == 0 for i in range(len(blocks))]    # every other decoder layer
+    finally:
+        logger.setLevel(before)
+        torch.use_deterministic_algorithms(False)
+    from grpo_lab.steps import loader_options
+    pinned, unpinned, on_cpu = small_args(tmp_path), small_args(tmp_path, dataloader_pin_memory=False), \
+        small_args(tmp_path, use_cpu=True)
+    with pytest.MonkeyPatch.context() as gpu:              # pinned where a GPU is (a CPU run pins nothing: torch warns)
+        gpu.setattr(torch.cuda, "is_available", lambda: True)
+        assert [loader_options(a)["pin_memory"] for a in (pinned, unpinned, on_cpu)] == [True, False, False]
+    (handler,) = ddp_options(small_args(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=50,
+                                         ddp_broadcast_buffers=False, ddp_static_graph=True))
+    assert handler.to_kwargs() == {"find_unused_parameters": True, "bucket_cap_mb": 50, "broadcast_buffers": False,
+                                   "static_graph": True}
+    assert ddp_options(small_args(tmp_path)) == []          # none set: accelerate's defaults, as before
 
 
 def test_log_unique_prompts_is_refused_and_log_multimodal_explained():
