@@ -210,7 +210,7 @@ def load_model(args, model, processing_class, peft_config, quantization_config=N
     trust_remote_code = init_kwargs.pop("trust_remote_code", args.trust_remote_code)    # model_init_kwargs wins (TRL)
     model, tokenizer = load_policy(model, tokenizer=processing_class, peft_config=peft_config,
                                    gradient_checkpointing=args.gradient_checkpointing and   # its kwargs too (a dict)
-                                   (args.activation_checkpointing_kwargs or True),
+                                   (args.gradient_checkpointing_kwargs or True),  # the name every transformers has
                                    trust_remote_code=trust_remote_code, **shortcuts, **init_kwargs)
     if args.disable_dropout:
         for module in model.modules():

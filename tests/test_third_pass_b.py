@@ -121,7 +121,8 @@ def _transformers_readers() -> dict:
             "optim_args": optimizer, "optim_target_modules": trainer_optimizer,      # the optimizer's handlers
             "activation_checkpointing": post_init, "tf32": post_init,        # mirrored to gradient_checkpointing; torch's
             "torch_compile_backend": post_init, "torch_compile_mode": post_init,   # they set torch_compile (refused)
-            "gradient_checkpointing_kwargs": post_init,   # mirrors activation_checkpointing_kwargs, which grpo-lab reads
+            # mirrored to gradient_checkpointing_kwargs, which grpo-lab reads (the name older transformers have too)
+            "activation_checkpointing_kwargs": post_init,
             # the process group, which GRPOConfig's own __post_init__ starts (grpo-lab's Accelerator then uses it)
             "ddp_backend": TrainingArguments._setup_devices.func, "ddp_timeout": TrainingArguments._setup_devices.func}
 
