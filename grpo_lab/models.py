@@ -365,10 +365,19 @@ def _is_peft_model(model) -> bool:
 
 # %% ../nbs/05_models.ipynb
 def linear_module_names(model) -> list[str]:
-    "The distinct names of the model's linear layers (the last part of each path), which `target_modules` may list."
-    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"}
-    return sorted(n for n in linear if n not in {"base_layer"} and not n.startswith("lora_"))
+    """The distinct names of the model's linear layers (the last part of each path), which `target_modules` may list.
+    On a PEFT model a wrapped layer counts under its own name (`q_proj`, not `base_layer`) and the adapters' layers
+    (`lora_A.default`, `modules_to_save.default`) not at all."""
+    names = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D") or \
+                any(p.startswith("lora_") or p == "modules_to_save" for p in parts):
+            continue
+        while len(parts) > 1 and parts[-1] in ("base_layer", "original_module"):    # PEFT's wrappers
+            parts.pop()
+        names.add(parts[-1])
+    return sorted(names)
 
 
 def _check_target_modules(model, target_modules) -> None:

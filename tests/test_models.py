@@ -116,3 +116,16 @@ def test_memory_estimate_for_qwen_on_a_t4():
     assert 2 < qlora.total < 15 and qlora.total == qlora["total"]
     assert qlora.lora_and_optimizer < 1 and qlora.kv_cache < 1
     assert "weights" in repr(qlora)
+
+
+def test_linear_module_names_of_a_peft_model_are_the_plain_models():
+    """A LoRA-wrapped model lists the layers `target_modules` may name, as the plain model does: the wrapped layers by
+    their own names, no adapter key ('default') and no PEFT wrapper ('base_layer', 'original_module')."""
+    from peft import LoraConfig, get_peft_model
+    from grpo_lab.models import linear_module_names
+    plain = linear_module_names(AutoModelForCausalLM.from_pretrained(tiny_model_path()))
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+                          LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                                     task_type="CAUSAL_LM"))
+    assert plain == ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert linear_module_names(lora) == plain
