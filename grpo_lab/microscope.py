@@ -9,7 +9,7 @@ import copy
 import html
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -67,6 +67,7 @@ class StepSettings:
 
     @property
     def epsilon_upper(self) -> float:
+        "The upper clip bound's epsilon: `epsilon_high`, else `epsilon`."
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 # %% ../nbs/07b_microscope.ipynb
@@ -103,6 +104,7 @@ def _batch_inputs(rollout):
 
 @torch.no_grad()
 def _logps(model, rollout, temperature: float) -> torch.Tensor:
+    "Log-probs `(N, T)` of the rollout's completion tokens at `temperature`, without a gradient."
     ids, attention, width = _batch_inputs(rollout)
     return completion_logps(model, ids, attention, width, temperature=temperature)[0]
 
@@ -283,21 +285,20 @@ class StepMicroscope:
     __repr__ = text
 
 # %% ../nbs/07b_microscope.ipynb
+_SLIDERS = {"epsilon": (0.0, 1.0, 0.01), "beta": (0.0, 1.0, 0.01), "temperature": (0.1, 2.0, 0.05)}   # low, high, step
+
+
 class MicroscopeExplorer(Explorer):
     "Controls over a `StepMicroscope`'s counterfactual: each setting, and one completion's reward."
     def __init__(self, microscope: StepMicroscope):
         self.microscope, s = microscope, microscope.settings
         style = {"description_width": "110px"}
-        self.controls = {
-            "loss_type": widgets.Dropdown(options=LOSS_TYPES, value=s.loss_type, description="loss_type", style=style),
-            "scale_rewards": widgets.Dropdown(options=("group", "batch", "none"), value=s.scale_rewards,
-                                              description="scale_rewards", style=style),
-            "epsilon": widgets.FloatSlider(value=s.epsilon, min=0.0, max=1.0, step=0.01, description="epsilon", style=style),
-            "beta": widgets.FloatSlider(value=s.beta, min=0.0, max=1.0, step=0.01, description="beta", style=style),
-            "temperature": widgets.FloatSlider(value=s.temperature, min=0.1, max=2.0, step=0.05,
-                                               description="temperature", style=style),
-            "num_iterations": widgets.IntSlider(value=s.num_iterations, min=1, max=8, description="num_iterations",
-                                                style=style)}
+        self.controls = {"loss_type": widgets.Dropdown(options=LOSS_TYPES),
+                         "scale_rewards": widgets.Dropdown(options=("group", "batch", "none")),
+                         **{k: widgets.FloatSlider(min=low, max=high, step=step) for k, (low, high, step) in _SLIDERS.items()},
+                         "num_iterations": widgets.IntSlider(min=1, max=8)}
+        for name, control in self.controls.items():
+            control.value, control.description, control.style.description_width = getattr(s, name), name, "110px"
         n = len(microscope.texts)
         self.completion = widgets.BoundedIntText(value=0, min=0, max=n - 1, description="completion #", style=style)
         self.reward = widgets.Text("", description="its reward", placeholder="blank: as scored", style=style,
@@ -336,6 +337,13 @@ class MicroscopeExplorer(Explorer):
         if isinstance(self.state, ValueError):
             return f"MicroscopeExplorer: {self.state}"
         return self.microscope.text() + "\n\n" + self.state.text()
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        "The widget where a kernel draws it; its text and its plot as a picture everywhere (the docs site shows that)."
+        bundle = super()._repr_mimebundle_(include, exclude)
+        if not isinstance(self.state, ValueError):
+            bundle["image/png"] = figure_png(self.state.plot())
+        return bundle
 
 # %% ../nbs/07b_microscope.ipynb
 def _completion_files(source) -> list[Path]:
@@ -389,7 +397,7 @@ def _reward_columns(df) -> list[str]:
     middle = columns[columns.index("completion") + 1:columns.index("advantage")]
     return [c for c in middle if np.issubdtype(df[c].dtype, np.number)]
 
-
+# %% ../nbs/07b_microscope.ipynb
 def step_table(df, tokenizer=None, max_completion_length: int | None = None, clip_ratio: dict | None = None):
     """Per step: completions, groups, the share of zero-variance groups (and of those at the run's best and worst
     reward), the mean reward and its spread inside groups, the mean length, the truncated share."""
