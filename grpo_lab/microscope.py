@@ -279,8 +279,8 @@ class StepMicroscope:
 
     def text(self) -> str:
         s = self.base
-        return (f"one step of {len(self.texts)} completions ({self.settings}): loss {s.loss:.4g}, grad_norm "
-                f"{s.grad_norm:.4g}\n" + text_table(*self.completions(), left=3))
+        return (f"one step of {len(self.texts)} completions ({self.settings}): loss {fmt(s.loss)}, grad_norm "
+                f"{fmt(s.grad_norm)}\n" + text_table(*self.completions(), left=3))
 
     __repr__ = text
 
