@@ -153,3 +153,28 @@ def test_diagnosis_reads_conversational_logs(tmp_path):
     assert (row.groups, row.zero_variance, row.all_best, row.length) == (2, 0.5, 0.5, 1.0)
     with pytest.raises(FileNotFoundError, match="log_completions=True"):
         read_completions(tmp_path / "nothing")
+
+
+@pytest.mark.slow
+def test_diagnosis_of_a_real_trl_run(tmp_path, train_set):
+    "TRL 1.16's own completion files (log_completions=True) read the same way, and agree with TRL's logged metrics."
+    trl = pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+    from grpo_lab.models import tiny_tokenizer
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=8,
+                          max_completion_length=3, learning_rate=3e-4, max_steps=2, logging_steps=1,
+                          log_completions=True, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+                          seed=0)
+    trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(tiny_model_path())),
+                              reward_funcs=exact_answer, args=args, train_dataset=train_set.select(range(64)),
+                              processing_class=tiny_tokenizer())
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "completions").glob("*.parquet")) == \
+        ["completions_00001.parquet", "completions_00002.parquet"]
+    diagnosis = diagnose_completions(tmp_path, tokenizer=tiny_tokenizer(), max_completion_length=3)
+    logged = {h["step"]: h for h in trainer.state.log_history if "reward" in h}
+    for step in (1, 2):     # no metrics.jsonl in a TRL run: the truncation rate is the estimate from the text
+        assert diagnosis.table.zero_variance[step] == pytest.approx(logged[step]["frac_reward_zero_std"], abs=1e-6)
+        assert diagnosis.table.reward[step] == pytest.approx(logged[step]["reward"], abs=1e-5)
+        assert diagnosis.table.truncated[step] == pytest.approx(logged[step]["completions/clipped_ratio"], abs=0.07)
