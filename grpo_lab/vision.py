@@ -86,6 +86,10 @@ def _vlm_processor(family: str, tokenizer):
         return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, image_token="<image>",
                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
                               chat_template=template)
+    import importlib.util
+    if importlib.util.find_spec("torchvision") is None:
+        raise ImportError("family='qwen2_vl' needs torchvision (transformers builds Qwen2-VL's video processor only "
+                          "with it): pip install torchvision, or build family='llava'.")
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
     images = Qwen2VLImageProcessor(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2)
     videos = Qwen2VLVideoProcessor(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2)
