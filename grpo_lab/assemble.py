@@ -334,7 +334,7 @@ def routes_only(dataset, environment_factory) -> bool:
 # %% ../nbs/06h_assemble.ipynb
 def build_scoring(trainer, model, reward_funcs, reward_processing_classes):
     "The reward sources, TRL's `_logs`, the EOS tokens, the room a completion has and the sampling settings."
-    args, tokenizer = trainer.args, trainer.processing_class
+    args, tokenizer = trainer.args, trainer.tokenizer       # a processor's own tokenizer (04c_vision)
     rewards = load_rewards(reward_funcs, reward_processing_classes, args, trainer.accelerator.device, trainer.engine,
                            trainer.train_dataset)
     trainer.reward_funcs, trainer.reward_weights, trainer.reward_names = rewards.funcs, rewards.weights, rewards.names

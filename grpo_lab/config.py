@@ -220,8 +220,6 @@ REFUSED_OPTIONS = {
 # TRL fields with nothing to act on in grpo-lab: accepted at any value, with the reason (a test checks every field
 # of GRPOConfig is read somewhere, refused, or listed here)
 WITHOUT_EFFECT = {
-    "log_multimodal": "it logs the images of multimodal prompts; grpo-lab trains text models and refuses images, so "
-                      "there is nothing to log (TRL with a text model ignores it the same way)",
     # transformers.TrainingArguments' options for parts of the HF Trainer that a GRPO run never reaches
     "average_tokens_across_devices": "GRPO's loss_type sets how tokens are counted across processes ('dapo', "
                                      "'cispo' and 'vespo' count them over all processes); TRL 1.16's GRPOTrainer does not read it either",

@@ -21,7 +21,7 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from .batching import short_repr
 
 # %% auto 0
-__all__ = ['CHAT_ROLES', 'PROMPT_RULE', 'IMAGE_COLUMNS', 'NOT_VLM', 'STREAM_CHECK_ROWS', 'FILE_FORMATS',
+__all__ = ['CHAT_ROLES', 'PROMPT_RULE', 'IMAGE_COLUMNS', 'NOT_VLM', 'TO_VLM', 'STREAM_CHECK_ROWS', 'FILE_FORMATS',
            'REASONING_SYSTEM_PROMPT', 'arithmetic_task', 'is_conversational', 'render_prompt', 'prompt_token_lengths',
            'check_text_only', 'check_no_image_columns', 'check_prompt', 'check_prompts', 'with_system_prompt',
            'load_prompts', 'extract_hash_answer', 'format_gsm8k', 'gsm8k']
@@ -104,29 +104,34 @@ PROMPT_RULE = "a prompt is a string or a list of {'role': ..., 'content': ...} m
 
 
 IMAGE_COLUMNS = ("image", "images")      # TRL 1.16's columns of pictures for a vision-language model
-NOT_VLM = ("vision-language models are not supported yet in grpo-lab, and a text model would train on the text alone, "
-           "without a word about the pictures")
+NOT_VLM = "this model is a text model, which would train on the text alone, without a word about the pictures"
+TO_VLM = ("pass a vision-language model and its processor (processing_class=AutoProcessor.from_pretrained(...)), "
+          "which train on the pictures too (04c_vision)")
 
 
-def check_text_only(prompt, row: int, column: str = "prompt") -> None:
-    "Refuse a conversation with a content part that is not text (TRL's `{'type': 'image'}`), naming row, message and part."
+def check_text_only(prompt, row: int, column: str = "prompt", images: bool = False) -> None:
+    """Refuse a conversation with a content part that is not text (TRL's `{'type': 'image'}`), naming row, message and
+    part; with `images` (a vision-language model), image parts are welcome and only other kinds are refused."""
     for number, message in enumerate(prompt if isinstance(prompt, (list, tuple)) else []):
         content = message.get("content") if isinstance(message, dict) else None
         kinds = [part.get("type", "text") for part in content] if isinstance(content, list) else []
-        picture = next((kind for kind in kinds if kind != "text"), None)
+        picture = next((kind for kind in kinds if kind != "text" and not (images and kind == "image")), None)
+        if picture is not None and images:
+            raise ValueError(f"row {row}: {column!r} message {number} holds an {{'type': {short_repr(picture)}}} part, "
+                             "but grpo-lab's vision-language path reads text and image parts only; keep those.")
         if picture is not None:
             raise ValueError(f"row {row}: {column!r} message {number} holds an {{'type': {short_repr(picture)}}} part: "
                              f"{NOT_VLM}; keep only the text parts ({{'type': 'text', 'text': ...}}) to train on the "
-                             "text, or train a vision-language model with TRL's GRPOTrainer.")
+                             f"text, or {TO_VLM}.")
 
 
-def check_no_image_columns(columns) -> None:
-    "Refuse TRL's `image` / `images` columns: they hold pictures for a vision-language model."
+def check_no_image_columns(columns, images: bool = False) -> None:
+    "Refuse TRL's `image` / `images` columns for a text model (`images` False): they hold pictures for a vision-language model."
     found = [name for name in IMAGE_COLUMNS if name in columns]
-    if found:
+    if found and not images:
         raise ValueError(f"the dataset has an {found[0]!r} column (TRL's layout for a vision-language model): "
                          f"{NOT_VLM}; drop it (ds = ds.remove_columns({found!r})) and any image parts of the prompts "
-                         "to train on the text, or train a vision-language model with TRL's GRPOTrainer.")
+                         f"to train on the text, or {TO_VLM}.")
 
 
 def _check_message(message, row: int, number: int, column: str):
@@ -153,7 +158,7 @@ def _is_blank(content) -> bool:
     return all(part.get("type") == "text" and _is_blank(part.get("text") or "") for part in content)
 
 
-def check_prompt(prompt, row: int, column: str = "prompt") -> bool:
+def check_prompt(prompt, row: int, column: str = "prompt", images: bool = False) -> bool:
     "Raise an error naming `row`, the value, the rule and the fix if `prompt` is malformed; return True if it is empty."
     if isinstance(prompt, str):
         return _is_blank(prompt)
@@ -164,7 +169,7 @@ def check_prompt(prompt, row: int, column: str = "prompt") -> bool:
         raise TypeError(f"row {row}: {column!r} is {short_repr(prompt)} ({type(prompt).__name__}), but {PROMPT_RULE}; {fix}.")
     for number, message in enumerate(prompt):
         _check_message(message, row, number, column)
-    check_text_only(prompt, row, column)
+    check_text_only(prompt, row, column, images)
     return all(_is_blank(m["content"]) for m in prompt)
 
 # %% ../nbs/04_data.ipynb
@@ -199,14 +204,14 @@ def _empty_prompts_error(empty: list[int], checked: int, column: str, example) -
                       f"Drop them first: {_keep_filled(column, example)}")
 
 
-def check_prompts(ds, column: str = "prompt", rows: int | None = None) -> None:
+def check_prompts(ds, column: str = "prompt", rows: int | None = None, images: bool = False) -> None:
     "Check every prompt of `column` (the first `rows`; a stream's first `STREAM_CHECK_ROWS`) before training starts."
     if rows is None and isinstance(ds, IterableDataset):
         rows = STREAM_CHECK_ROWS
     empty, checked, example = [], 0, None
     for row, prompt in enumerate(_values(ds, column, rows)):
         checked += 1
-        if check_prompt(prompt, row, column):
+        if check_prompt(prompt, row, column, images):
             empty.append(row)
             example = prompt if example is None else example
     if empty:
@@ -373,10 +378,10 @@ def with_system_prompt(prompt, system_prompt: str) -> list[dict]:
     return [system, *prompt]
 
 # %% ../nbs/04_data.ipynb
-def _checked_stream(ds: IterableDataset, column: str) -> IterableDataset:
+def _checked_stream(ds: IterableDataset, column: str, images: bool = False) -> IterableDataset:
     "`ds` with each row checked as it is read (`check_prompt`); an empty prompt there is an error too."
     def check(row: dict, index: int) -> bool:
-        if check_prompt(row[column], index, column):
+        if check_prompt(row[column], index, column, images):
             raise ValueError(f"row {index} read from the stream has an empty prompt ({short_repr(row[column])}); "
                              "training on it is silently wrong (completions and rewards for answers to nothing). "
                              f"Drop empty prompts first: {_keep_filled(column, row[column])}")
@@ -384,33 +389,34 @@ def _checked_stream(ds: IterableDataset, column: str) -> IterableDataset:
     return ds.filter(check, with_indices=True)
 
 
-def _prepare_stream(ds: IterableDataset, prompt_column: str, limit: int | None) -> IterableDataset:
+def _prepare_stream(ds: IterableDataset, prompt_column: str, limit: int | None, images: bool = False) -> IterableDataset:
     "A stream cut to `limit` rows, its first rows checked now and every row checked again as it is read."
     ds = _first_rows(ds, limit)
     head = list(ds.take(STREAM_CHECK_ROWS))
     if not head:
         raise ValueError("the stream has no rows; GRPO needs at least one prompt.")
     _require_column(ds.column_names or list(head[0]), prompt_column)
-    check_no_image_columns(ds.column_names or list(head[0]))
-    check_prompts(head, prompt_column)
-    return _checked_stream(ds, prompt_column)
+    check_no_image_columns(ds.column_names or list(head[0]), images)
+    check_prompts(head, prompt_column, images=images)
+    return _checked_stream(ds, prompt_column, images)
 
 # %% ../nbs/04_data.ipynb
 def load_prompts(source, *, split: str = "train", prompt_column: str = "prompt", system_prompt: str | None = None,
                  tokenizer=None, limit: int | None = None, name: str | None = None,
-                 chat_template_kwargs: dict | None = None):
-    "A `Dataset` (or, from a stream, an `IterableDataset`) with a checked `prompt` column and the source's other columns."
+                 chat_template_kwargs: dict | None = None, images: bool = False):
+    """A `Dataset` (or, from a stream, an `IterableDataset`) with a checked `prompt` column and the source's other columns.
+    `images`: the model reads pictures (a vision-language model), so TRL's image parts and columns are welcome."""
     ds = _load_rows(source, split, name, prompt_column)
     if isinstance(ds, IterableDataset):
-        ds = _prepare_stream(ds, prompt_column, limit)
+        ds = _prepare_stream(ds, prompt_column, limit, images)
     else:
         if len(ds) == 0:
             what = str(source) if isinstance(source, (str, os.PathLike)) else f"this {type(source).__name__}"
             raise ValueError(f"the dataset from {what} has no rows; GRPO needs at least one prompt.")
         _require_column(ds.column_names, prompt_column)
-        check_no_image_columns(ds.column_names)
+        check_no_image_columns(ds.column_names, images)
         ds = _first_rows(ds, limit)
-        check_prompts(ds, prompt_column)
+        check_prompts(ds, prompt_column, images=images)
     ds = ds if prompt_column == "prompt" else ds.rename_column(prompt_column, "prompt")
     if system_prompt is not None:
         ds = _map_prompts(ds, lambda p: with_system_prompt(p, system_prompt))

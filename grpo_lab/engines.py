@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .rollout import ContinuousBatchingEngine, GenerateEngine, RolloutEngine
 from .tools import RolloutFuncEngine, ToolLoopEngine
+from .vision import is_processor, vision_engine_refusal
 
 # %% auto 0
 __all__ = ['make_engine']
@@ -25,6 +26,12 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
                          "them in your rollout_func (return env_mask to mask their tokens), or drop rollout_func.")
     if engine is not None:
         return engine
+    if is_processor(tokenizer):             # a vision-language model: generate reads its pictures (04c_vision)
+        refusal = vision_engine_refusal(args, agentic=agentic, rollout_func=rollout_func,
+                                        samples_elsewhere=getattr(trainer, "samples_elsewhere", False))
+        if refusal:
+            raise ValueError(refusal + ".")
+        return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=False)
     if args.use_vllm:                       # vLLM, colocated or a server (06d_vllm)
         if agentic or rollout_func is not None:
             raise ValueError("use_vllm=True with tools, environment_factory or rollout_func is not supported yet: "

@@ -151,9 +151,13 @@ def _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, ba
 # %% ../nbs/03_loss.ipynb
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                      temperature: float = 1.0, batch_size: int | None = None, compute_entropy: bool = False,
-                     autocast_dtype: torch.dtype | None = None):
+                     autocast_dtype: torch.dtype | None = None, model_inputs=None):
     """Log-probs `(B, logits_to_keep)` (float32) of the last `logits_to_keep` tokens of `input_ids (B, L)`, and
     their entropies (float32).
+
+    `model_inputs`: for a vision-language model, a function from a slice of rows to the model's other inputs for
+    them (the pictures' tensors, 04c_vision); the model then numbers positions itself (its own image positions), as
+    TRL lets it.
 
     `autocast_dtype` is the mixed-precision dtype of the run (bf16 or fp16; None: none): the forward pass and the
     LM head run under that autocast here, whether or not the model is wrapped by accelerate, so the policy, the old
@@ -161,7 +165,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     _check_logps_args(input_ids, attention_mask, logits_to_keep, temperature, batch_size)
     with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         return _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size,
-                                 compute_entropy, autocast_dtype)
+                                 compute_entropy, autocast_dtype, model_inputs)
 
 
 def _head_input(model, inputs: dict, positions: int) -> torch.Tensor:
@@ -185,7 +189,7 @@ def _head_input(model, inputs: dict, positions: int) -> torch.Tensor:
 
 
 def _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, compute_entropy,
-                      autocast_dtype):
+                      autocast_dtype, model_inputs=None):
     "`completion_logps` after its checks, inside its autocast region."
     accepted, batch_size, head = _forward_args(model), batch_size or len(input_ids), _lm_head(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -193,7 +197,8 @@ def _completion_logps(model, input_ids, attention_mask, logits_to_keep, temperat
     for start in range(0, len(input_ids), batch_size):
         rows = slice(start, start + batch_size)
         inputs = {"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}
-        if "position_ids" in accepted: inputs["position_ids"] = position_ids[rows]
+        if model_inputs is not None: inputs.update(model_inputs(rows))
+        elif "position_ids" in accepted: inputs["position_ids"] = position_ids[rows]
         if "use_cache" in accepted: inputs["use_cache"] = False
         targets = input_ids[rows, -logits_to_keep:]
         if head is not None:                       # hidden states in, one tile of logits at a time

@@ -47,13 +47,15 @@ class _Shapes:
     intermediate: int
     vocab: int
     tied: bool
+    vision: int = 0          # a vision-language model's vision encoder and projector (about; 0 for a text model)
 
     @classmethod
     def of(cls, config) -> _Shapes:
-        heads = config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))
+        text = config.get_text_config()        # a vision-language model's language model; a text model itself
+        heads = text.num_attention_heads
+        return cls(text.hidden_size, text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", None) or heads,
+                   getattr(text, "head_dim", None) or text.hidden_size // heads, text.intermediate_size,
+                   text.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), _vision_parameters(config))
 
     @property
     def linear_per_layer(self) -> int:
@@ -72,12 +74,30 @@ class _Shapes:
 
     @property
     def parameters(self) -> int:
-        return self.layers * self.linear_per_layer + self.embeddings + self.other
+        return self.layers * self.linear_per_layer + self.embeddings + self.other + self.vision
 
     def lora_parameters(self, r: int) -> int:
         "LoRA weights r * (d_in + d_out) on every linear layer of every block ('all-linear')."
         q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
         return self.layers * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+
+
+def _vision_parameters(config) -> int:
+    """About the weights of a vision-language model's vision side (0 for a text model): its blocks (attention and a
+    gated or plain MLP), the patch embedding, and the projector to the language model (Qwen's merger of 2 x 2 patches,
+    LLaVA's two linears); norms, biases and position tables are left out (a few percent)."""
+    v = getattr(config, "vision_config", None)
+    if v is None:
+        return 0
+    h = getattr(v, "embed_dim", None) or v.hidden_size
+    layers = getattr(v, "depth", None) or v.num_hidden_layers
+    inner = getattr(v, "intermediate_size", None) or int(getattr(v, "mlp_ratio", 4) * h)
+    mlp = (3 if getattr(v, "hidden_act", "") == "silu" else 2) * h * inner
+    patch = getattr(v, "num_channels", None) or getattr(v, "in_channels", 3)
+    patch *= v.patch_size ** 2 * getattr(v, "temporal_patch_size", 1) * h
+    out, merged = config.get_text_config().hidden_size, h * getattr(v, "spatial_merge_size", 1) ** 2
+    projector = merged * merged + merged * out if merged != h else h * out + out * out
+    return layers * (4 * h * h + mlp) + patch + projector
 
 # %% ../nbs/05a_memory.ipynb
 GIB = 2 ** 30
@@ -119,17 +139,21 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
                     num_generations: int = 8, per_device_train_batch_size: int = 8, max_prompt_length: int = 256,
                     max_completion_length: int = 256, gradient_checkpointing: bool = True, dtype_bytes: int = 2,
                     chunked_logps: bool = True, generation_copy: bool = False, static_cache: bool = False,
-                    generation_rows: int | None = None) -> MemoryEstimate:
+                    generation_rows: int | None = None, image_tokens: int = 0) -> MemoryEstimate:
     """Estimate the GPU memory of a GRPO step for a model (config, hub id, or path) and training settings.
     `generation_copy`, `static_cache`: the static engine's merged copy and KV cache (06s_static) for `generation_rows`
-    completions sampled together (None: `max(per_device_train_batch_size, num_generations)`)."""
+    completions sampled together (None: `max(per_device_train_batch_size, num_generations)`).
+    `image_tokens`: the picture tokens each prompt of a vision-language model holds (04c_vision; Qwen2.5-VL: one per
+    28 x 28 pixels), read like prompt tokens; its vision encoder counts at `dtype_bytes` (not quantized) and, with
+    LoRA, frozen (grpo-lab's default adapter is on the language model)."""
     if load_in_4bit and lora_r is None:
         raise ValueError("load_in_4bit=True with lora_r=None: a 4-bit base trains through LoRA; pass lora_r (e.g. 16).")
     s = _Shapes.of(model_config(model_config_or_name))
-    b, seq, tokens = dtype_bytes, max_prompt_length + max_completion_length, per_device_train_batch_size
+    prompt = max_prompt_length + image_tokens
+    b, seq, tokens = dtype_bytes, prompt + max_completion_length, per_device_train_batch_size
     quantized = s.layers * s.linear_per_layer
     if load_in_4bit:
-        weights = quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + (s.embeddings + s.other) * b   # the rest as loaded
+        weights = quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + (s.embeddings + s.other + s.vision) * b   # the rest
     else:
         weights = s.parameters * b
     trainable = s.lora_parameters(lora_r) * 16 if lora_r else s.parameters * (b + 8)
@@ -144,13 +168,14 @@ def estimate_memory(model_config_or_name, *, load_in_4bit: bool = True, lora_r: 
     unique_prompts = max(1, tokens // num_generations)  # the shared prefill runs the head once per prompt
     rows = generation_rows or max(tokens, num_generations)
     kv_per_token = s.layers * 2 * s.kv_heads * s.head_dim * b
-    cached = unique_prompts * max_prompt_length if static_cache else rows * seq      # the static engine: prefill only
+    cached = unique_prompts * prompt if static_cache else rows * seq      # the static engine: prefill only
     kv_cache = cached * kv_per_token + unique_prompts * s.vocab * s.hidden * b
     copy = s.parameters * b if generation_copy else 0
     static = rows * (-(-seq // 64) * 64) * kv_per_token if static_cache else 0
     settings = dict(model=getattr(model_config_or_name, "name_or_path", str(model_config_or_name)).split("/")[-1],
                     load_in_4bit=load_in_4bit, lora_r=lora_r, completions=tokens,
                     tokens=f"{max_prompt_length}+{max_completion_length}", gradient_checkpointing=gradient_checkpointing)
+    settings.update({"image_tokens": image_tokens} if image_tokens else {})
     settings.update({k: True for k, on in (("generation_copy", generation_copy), ("static_cache", static_cache)) if on})
     return MemoryEstimate(weights / GIB, trainable / GIB, activations / GIB, logits / GIB, kv_cache / GIB, copy / GIB,
                           static / GIB, settings)

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models as tokenizer_models
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from .data import arithmetic_task, render_prompt
 from .loss import _unwrap, completion_logps
 from .padding import length_mask, pad_right
+from .vision import VISION_MODULES, is_vision_model, text_tokenizer
 
 # %% auto 0
 __all__ = ['SPECIAL_TOKENS', 'TINY_CHARS', 'TINY_CHAT_TEMPLATE', 'TASK_FILE', 'TOKENIZER_FILES', 'REFERENCE_ADAPTER',
@@ -340,6 +341,7 @@ def _keep_4bit_trainable(model) -> None:
 # %% ../nbs/05_models.ipynb
 def _prepare_tokenizer(tokenizer, model) -> None:
     "Pad with EOS when there is no pad token, pad on the left, and give the model the tokenizer's pad id (as TRL does)."
+    tokenizer = text_tokenizer(tokenizer)      # a processor's own tokenizer
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has neither a pad nor an EOS token: "
@@ -474,6 +476,8 @@ def load_policy(model_name_or_path, *, tokenizer=None, load_in_4bit: bool = Fals
                                                trust_remote_code, model_init_kwargs))
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(name, model, trust_remote_code)
     _prepare_tokenizer(tokenizer, model)
+    if adapter is not None and peft_config is None and is_vision_model(model):
+        adapter.exclude_modules = VISION_MODULES        # the lora_r shortcut: LoRA on the language model only
     quantized = load_in_4bit or _is_quantized(model)       # grpo-lab's flag, TRL's quantization_config, or a built model
     if quantized and adapter is None and not _is_peft_model(model):
         raise ValueError(f"{name!r:.200} is quantized (bitsandbytes): its 4-bit weights cannot be trained directly. "
@@ -492,7 +496,7 @@ def _load_model(name: str, kwargs: dict):
     folder = Path(name).expanduser()
     if (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
         return _peft().AutoPeftModelForCausalLM.from_pretrained(str(folder), is_trainable=True, **kwargs)
-    return _from_pretrained(AutoModelForCausalLM, name, **kwargs)
+    return _from_pretrained(AutoModelForImageTextToText if is_vision_model(name) else AutoModelForCausalLM, name, **kwargs)
 
 
 def _load_tokenizer(name: str, model, trust_remote_code: bool):
@@ -502,6 +506,8 @@ def _load_tokenizer(name: str, model, trust_remote_code: bool):
     folder = Path(name).expanduser()
     if folder.is_dir():
         _check_model_folder(folder, needs_tokenizer=True)
+    if is_vision_model(model):            # its processor: the tokenizer and the image processor (as TRL loads it)
+        return _from_pretrained(AutoProcessor, name, trust_remote_code=trust_remote_code)
     tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
     if len(tokenizer) < 2:
         raise ValueError(f"the tokenizer loaded from {name!r:.200} knows {len(tokenizer)} token(s); pass tokenizer= "
@@ -612,10 +618,11 @@ def make_reference(model, beta: float):
 @torch.no_grad()
 def reference_logps(model, ref_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                     temperature: float = 1.0, batch_size: int | None = None,
-                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    autocast_dtype: torch.dtype | None = None, model_inputs=None) -> torch.Tensor:
     """Reference log-probs `(B, logits_to_keep)` (float32): from `ref_model`, or from `model` with its LoRA adapter
-    disabled, under the run's mixed precision `autocast_dtype` like the policy's own."""
-    args = (input_ids, attention_mask, logits_to_keep, temperature, batch_size, False, autocast_dtype)
+    disabled, under the run's mixed precision `autocast_dtype` like the policy's own (`model_inputs`: the pictures'
+    tensors of a vision-language model, as `completion_logps` takes them)."""
+    args = (input_ids, attention_mask, logits_to_keep, temperature, batch_size, False, autocast_dtype, model_inputs)
     if ref_model is not None:
         return completion_logps(ref_model, *args)[0]
     if not _is_peft_model(model):

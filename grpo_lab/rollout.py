@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationConfig
 from .config import as_dict
 from .data import render_prompt
 from .padding import length_mask, pad_left, pad_right   # 04b_padding; engines import them from here too
+from .vision import ImageInputs, image_token_ids, is_processor, mask_image_tokens, prepare_image_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -178,18 +179,21 @@ def _body_parameters(model) -> int:
 # %% ../nbs/06b_rollout.ipynb
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
-                       share_prefill: bool | None = None, group: torch.Tensor | None = None):
-    "Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`."
+                       share_prefill: bool | None = None, group: torch.Tensor | None = None,
+                       model_inputs: dict | None = None):
+    """Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`. `model_inputs`: the
+    pictures' tensors of a vision-language model (04c_vision), read with the prompts (no shared prefill then)."""
     was_training = model.training
     model.eval()
     group = prompt_groups(prompt_ids, prompt_mask) if group is None else group
+    share_prefill = False if model_inputs else share_prefill    # pictures: each row's prompt is read whole
     if share_prefill is None:       # automatic: share where the prompt work saved outweighs one more forward call
         share_prefill = prefill_saving(model, prompt_ids, prompt_mask, group) >= \
             SHARED_PREFILL_MIN_FLOPS.get(prompt_ids.device.type, SHARED_PREFILL_MIN_FLOPS["cuda"])
     cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask, group) \
         if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         **({} if cache is None else {cache_kwarg(model): cache}))
+                         **(model_inputs or {}), **({} if cache is None else {cache_kwarg(model): cache}))
     model.train(was_training)
     completion_ids = out[:, prompt_ids.size(1):]
     mask, truncated = completion_mask(completion_ids, eos_ids)
@@ -210,6 +214,7 @@ class Completions:
     tool_mask: torch.Tensor | None = None        # (B, T) 0 on tokens the engine inserted (tool results), else 1
     extra: dict = field(default_factory=dict)    # per-row columns for the reward functions
     metrics: dict = field(default_factory=dict)  # scalars to log with the step
+    image_inputs: ImageInputs | None = None      # (B) a vision-language model's picture tensors per row (04c_vision)
 
     def __len__(self):
         return self.completion_ids.size(0)
@@ -243,10 +248,29 @@ class GenerateEngine(RolloutEngine):
         self.tokenizer, self.device, self.share_prefill = tokenizer, device, share_prefill
 
     def generate(self, rows, group, policy, settings, step) -> Completions:
+        if is_processor(self.tokenizer):          # a vision-language model: the processor reads the pictures too
+            return self._generate_with_images(rows, group, policy, settings)
         texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings, self.device)
         c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, generation_config(settings),
                                                       settings.eos_token_ids, self.share_prefill, group.to(p_ids.device))
         return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group)
+
+    def _generate_with_images(self, rows, group, policy, settings) -> Completions:
+        "The padded path with each row's pictures; picture tokens are never sampled (as TRL) nor learned from."
+        texts, p_ids, p_mask, images = prepare_image_prompts(rows, group, self.tokenizer, settings.chat_template_kwargs,
+                                                             self.device)
+        if settings.max_prompt_length is not None and p_ids.size(1) > settings.max_prompt_length:
+            raise ValueError(f"a prompt with its pictures has {p_ids.size(1)} tokens, over max_prompt_length="
+                             f"{settings.max_prompt_length}; prompts with pictures are never cut (a cut would part "
+                             "picture tokens from their pictures): raise max_prompt_length, or set it to None.")
+        config, picture_ids = generation_config(settings), image_token_ids(self.tokenizer)
+        config.suppress_tokens = picture_ids or None
+        width = p_ids.size(1)
+        c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, config, settings.eos_token_ids, False,
+                                                      group.to(p_ids.device),
+                                                      images.forward_kwargs(width, width, p_ids.device))
+        c_mask = mask_image_tokens(c_ids, c_mask, picture_ids)
+        return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group, image_inputs=images)
 
 # %% ../nbs/06b_rollout.ipynb
 class ContinuousBatchingEngine(RolloutEngine):
@@ -293,6 +317,11 @@ class Rollout:
     rows: list = field(default_factory=list)    # (B) the dataset rows the completions answer (not checkpointed)
     loss_old_logps: torch.Tensor | None = None  # (B, T) old log-probs the loss's forwards left, filled micro-batch by
                                                 # micro-batch (the IS metrics without an extra pass: 06_trainer)
+    image_inputs: ImageInputs | None = None     # (B) a vision-language model's picture tensors per row (04c_vision)
+
+    def __post_init__(self):
+        if isinstance(self.image_inputs, dict):     # from a checkpoint, which keeps plain tensors
+            self.image_inputs = ImageInputs(**self.image_inputs)
 
     def __len__(self):
         return self.prompt_ids.size(0)
@@ -315,7 +344,7 @@ class Rollout:
 
 
 _PER_ROW = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_logps", "ref_logps",
-            "group", "tool_mask", "sampling_logps")
+            "group", "tool_mask", "sampling_logps", "image_inputs")
 
 # %% ../nbs/06b_rollout.ipynb
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:

@@ -143,7 +143,7 @@ def completion_logs(size: int) -> dict:
     "TRL's `_logs`: the latest generation batch's prompts, completions, rewards, advantages and `log_extra` columns."
     recent = lambda: deque(maxlen=size)
     return {"prompt": recent(), "completion": recent(), "rewards": defaultdict(recent), "advantages": recent(),
-            "extra": defaultdict(recent)}
+            "extra": defaultdict(recent), "images": recent()}
 
 
 def keep_logs(logs: dict, names: list[str], prompts: list, completions: list, rewards: torch.Tensor,

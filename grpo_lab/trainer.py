@@ -43,6 +43,7 @@ from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_m
 from .steps import (AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks,
                             generation_rows, process_rows, rollout_micro_steps)
 from .tools import ToolLoopEngine, check_rollout_output
+from .vision import forward_inputs, is_processor, is_vision_model, keep_images, text_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class GRPOTrainer(GRPORun):
     accelerator: Accelerator
     plan: BatchPlan                               # the batch arithmetic, computed once (00_batching)
     loss_settings: LossSettings
-    processing_class: object                      # the tokenizer
+    processing_class: object                      # the tokenizer, or a vision-language model's processor (04c_vision)
     engine: RolloutEngine
     streaming: bool                               # train_dataset is an IterableDataset
     autocast_dtype: torch.dtype | None            # the mixed precision the forwards run under
@@ -101,7 +102,7 @@ class GRPOTrainer(GRPORun):
         # without a dataset an environment's reset() writes the prompts (TRL): the empty placeholders are not checked
         self.train_dataset = environment_placeholder_dataset(args, environment_factory) if train_dataset is None \
             else routing_dataset(train_dataset) if routes_only(train_dataset, environment_factory) \
-            else load_prompts(train_dataset)
+            else load_prompts(train_dataset, images=is_processor(processing_class) or is_vision_model(model))
         self.eval_dataset = eval_dataset         # as given (TRL's attribute); checked now, read by `evaluate`
         eval_sets(eval_dataset)
         self.streaming = isinstance(self.train_dataset, IterableDataset)
@@ -133,8 +134,8 @@ class GRPOTrainer(GRPORun):
 
     @property
     def tokenizer(self):
-        "The tokenizer (`processing_class`), under the name older code uses."
-        return self.processing_class
+        "The tokenizer (`processing_class`, or a processor's own tokenizer), under the name older code uses."
+        return text_tokenizer(self.processing_class)
 
     @property
     def entropy_coef(self) -> float:
@@ -195,7 +196,7 @@ def _completions(trainer: GRPOTrainer, rows: list[dict], group: torch.Tensor) ->
 def _score(trainer: GRPOTrainer, rows: list[dict], out: Completions, num_generations: int):
     "Scored completions, all processes' advantages `(N,)` and the reward statistics of a batch."
     args = trainer.args
-    scored = decode_and_score(trainer.reward_funcs, trainer.processing_class, trainer.accelerator, rows, out,
+    scored = decode_and_score(trainer.reward_funcs, trainer.tokenizer, trainer.accelerator, rows, out,
                               trainer.state, resume_hint(trainer._last_checkpoint))
     adv, stats = compute_advantages(scored.rewards, num_generations, reward_weights=trainer.reward_weights,
                                     scale_rewards=args.scale_rewards, reward_names=trainer.reward_names,
@@ -211,7 +212,7 @@ def _as_rollout(trainer: GRPOTrainer, out: Completions, adv: torch.Tensor) -> Ro
         mask = mask * (~out.truncated).unsqueeze(1).int()
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     rollout = Rollout(out.prompt_ids, out.prompt_mask, out.completion_ids, mask, adv[mine].to(acc.device),
-                      group=out.group, tool_mask=out.tool_mask)
+                      group=out.group, tool_mask=out.tool_mask, image_inputs=out.image_inputs)
     rollout.num_items_in_batch = acc.gather(rollout.loss_mask.sum().reshape(1)).sum().item()
     return rollout
 
@@ -236,6 +237,8 @@ def score_rollout(self: GRPOTrainer, rows: list[dict], out: Completions) -> Roll
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     rollout.samples = _samples(out.prompt_texts, scored, stats["rewards"][mine], adv[mine])
     keep_logs(self._logs, self.reward_names, scored.prompts, scored.completions, scored.rewards, adv, scored.logs.extra)
+    if self.args.log_multimodal:                   # TRL's `_logs["images"]`: each completion's pictures
+        keep_images(self._logs, rows)
     _add_logps(self, rollout)
     return rollout
 
@@ -306,14 +309,16 @@ def _add_logps(trainer: GRPOTrainer, rollout: Rollout):
     k, bs = rollout.completion_ids.size(1), args.per_device_train_batch_size
     if _needs_old_logps(trainer):
         rollout.old_logps, _ = completion_logps(trainer.model, input_ids, attention_mask, k, temperature=args.temperature,
-                                                batch_size=bs, autocast_dtype=trainer.autocast_dtype)
+                                                batch_size=bs, autocast_dtype=trainer.autocast_dtype,
+                                                model_inputs=forward_inputs(rollout))
     if _corrects_sampler(trainer) and rollout.sampling_logps is not None and rollout.old_logps is not None:
         rollout.metrics.update(_sampler_weights(args, rollout)[1])
     if args.beta > 0:
         with gathered_for_generation(trainer) as policy:      # FSDP: the weights gathered (06p_sharded)
             rollout.ref_logps = reference_logps(policy, trainer.ref_model, input_ids, attention_mask, k,
                                                 temperature=args.temperature, batch_size=bs,
-                                                autocast_dtype=trainer.autocast_dtype)
+                                                autocast_dtype=trainer.autocast_dtype,
+                                                model_inputs=forward_inputs(rollout))
 
 # %% ../nbs/06_trainer.ipynb
 def _gather_flat(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -345,7 +350,7 @@ def _micro_batch_loss(trainer: GRPOTrainer, mb: Rollout):
     attention_mask = torch.cat([mb.prompt_mask, mb.completion_mask], 1)
     logps, entropies = completion_logps(trainer.model, input_ids, attention_mask, mb.completion_ids.size(1),
                                         temperature=args.temperature, compute_entropy=True,
-                                        autocast_dtype=trainer.autocast_dtype)
+                                        autocast_dtype=trainer.autocast_dtype, model_inputs=forward_inputs(mb))
     mask = mb.loss_mask
     gathered = _gather_flat(acc, entropies[mask.bool()].float()) if args.top_entropy_quantile < 1 else None
     if trainer.entropy_control is not None:
@@ -551,7 +556,7 @@ def _eval_loss(trainer: GRPOTrainer, batch: Rollout) -> float:
         batch.ref_logps = reference_logps(trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model, input_ids,
                                           attention_mask, batch.completion_ids.size(1), temperature=args.temperature,
                                           batch_size=args.per_device_eval_batch_size,
-                                          autocast_dtype=trainer.autocast_dtype)
+                                          autocast_dtype=trainer.autocast_dtype, model_inputs=forward_inputs(batch))
     window = trainer.entropy_window.totals.clone()
     loss, _ = _micro_batch_loss(trainer, batch)
     trainer.entropy_window.totals = window          # evaluating does not move the adaptive entropy coefficient

@@ -30,6 +30,7 @@ from .dynamic import check_dynamic_sampling, dynamic_sampling_batch
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
 from .steps import AdaptiveEntropy, EntropyWindow, MicroStep, Position, check_stream_length, epoch_chunks, generation_rows, process_rows, rollout_micro_steps
 from .tools import ToolLoopEngine, check_rollout_output
+from .vision import forward_inputs, is_processor, is_vision_model, keep_images, text_tokenizer
 logger = ...
 __all__ = ['logger', 'NonFiniteLossError', 'GRPOTrainer', 'TrainingInputs']
 
@@ -74,7 +75,7 @@ class GRPOTrainer(GRPORun):
 
     @property
     def tokenizer(self):
-        """The tokenizer (`processing_class`), under the name older code uses."""
+        """The tokenizer (`processing_class`, or a processor's own tokenizer), under the name older code uses."""
         ...
 
     @property

@@ -70,7 +70,7 @@ def test_a_worker_that_dies_at_its_start_says_why_with_its_own_last_line(tmp_pat
     assert "MyModel" in last and 'if __name__ == "__main__":' in last
 
 
-# --- images in prompts (TRL 1.16's vision-language layout), given to a text model ---
+# --- images in prompts (TRL 1.16's vision-language layout), given to a text model (a VLM trains: test_vision.py) ---
 
 def _text_args(tmp_path, **kw):
     from grpo_lab import GRPOConfig
@@ -98,7 +98,7 @@ def test_images_in_prompts_are_refused_before_training(tmp_path, rows, names):
     with pytest.raises(ValueError) as raised:
         GRPOTrainer(TINY, _length, args=_text_args(tmp_path), train_dataset=Dataset.from_dict(rows))
     said = str(raised.value)
-    assert names in said and "vision-language models are not supported yet in grpo-lab" in said, said
+    assert names in said and "this model is a text model" in said and "AutoProcessor" in said, said
     assert "\n" not in said and said.endswith(".")
 
 

@@ -57,6 +57,8 @@ SELECTIONS = {
     # with the rest of the rollout_func dispatch class
     "earlier": "TestGRPORolloutDispatch or test_iterable_eval_keeps_map_style_train_workers"
                " or test_prepare_input_called_with_correct_data",
+    # the vision-language class (issue 44): images in prompts, on the tiny VLM stand-ins below
+    "vlm": "TestGRPOTrainerVLM",
 }
 
 # Qwen's tokenizer: the dashscope wheel that ships qwen.tiktoken (151,643 byte-level BPE ranks).
@@ -96,6 +98,26 @@ MODELS = {
         dict(vocab_size=151936, hidden_size=16, num_labels=1, **SMALL, **QWEN_IDS)),
 }
 SNAPSHOT_SHA = "0" * 40  # the local cache's one revision of every stand-in
+
+# Vision-language stand-ins (TestGRPOTrainerVLM): random weights in the shapes of TRL's tiny VLMs (hidden size 16, 2
+# layers; smaller pictures than the originals' so that a test trains in seconds on a CPU: 112-pixel LLaVA tiles, 224
+# pixels and 64 soft tokens for Gemma 3, where the originals have 336 and 896 pixels), Qwen's tokenizer with the family's picture tokens, and a processor
+# assembled from it and the family's image processor (the PIL backend: this machine has no torchvision). Qwen2-VL and
+# Qwen2.5-VL are not built: their processors need a video processor, which transformers builds only with torchvision.
+VLM_TINY_TEXT = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                     intermediate_size=32, vocab_size=None, **QWEN_IDS)
+VLM_TINY_VISION = dict(hidden_size=16, num_attention_heads=4, num_hidden_layers=2, intermediate_size=32)
+VLM_MODELS = ("trl-internal-testing/tiny-LlavaForConditionalGeneration",
+              "trl-internal-testing/tiny-LlavaNextForConditionalGeneration",
+              "trl-internal-testing/tiny-Gemma3ForConditionalGeneration")
+# the image datasets TRL's VLM tests load, made by TRL's own scripts (random pictures, Zen of Python prompts)
+IMAGE_DATASETS = {"trl-internal-testing/zen-image": "scripts/generate_zen_image_dataset.py",
+                  "trl-internal-testing/zen-multi-image": "scripts/generate_zen_multi_image_dataset.py"}
+# A ChatML template whose image parts become `picture` (each family's placeholder), as the originals place them.
+VLM_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+                "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                "PICTURE{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def default_cache() -> Path:
@@ -258,17 +280,93 @@ def build_model(hub: Path, repo_id: str, tokenizers: dict, seed: int = 0):
     GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(folder)
 
 
+def vlm_tokenizer(cache: Path, pictures: list[str], extra: dict | None = None):
+    "Qwen2.5's tokenizer with a family's picture tokens added (special) and `extra` named special tokens."
+    tokenizer = build_tokenizer(cache, QWEN2_5_ADDED, "qwen2_5")
+    tokenizer.add_special_tokens({"additional_special_tokens": pictures}, replace_extra_special_tokens=False)
+    if extra:
+        tokenizer._set_model_specific_special_tokens(special_tokens=extra)   # boi_token, boi_token_id, ... (Gemma 3)
+    return tokenizer
+
+
+def build_vlm(hub: Path, repo_id: str, cache: Path, seed: int = 0):
+    "A tiny random VLM of `repo_id`'s family and its processor, in the local hub cache."
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    folder = hub_folder(hub, repo_id)
+    if (folder / "config.json").exists():
+        return
+    family = repo_id.rsplit("tiny-", 1)[1]
+    if family.startswith("Llava"):
+        tokenizer = vlm_tokenizer(cache, ["<image>"])
+        template = VLM_TEMPLATE.replace("PICTURE", "<image>")
+        text = transformers.LlamaConfig(**{**VLM_TINY_TEXT, "vocab_size": len(tokenizer)})
+        vision = transformers.CLIPVisionConfig(**VLM_TINY_VISION, image_size=112, patch_size=14, projection_dim=16)
+        image_id = tokenizer.convert_tokens_to_ids("<image>")
+        size = {"shortest_edge": 112}, {"height": 112, "width": 112}
+        if family.startswith("LlavaNext"):   # llava-v1.6's anyres tiling: tiles on a grid of pinpoints (its, / 3)
+            pinpoints = [[112, 224], [224, 112], [224, 224], [336, 112], [112, 336]]
+            config = transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_id=image_id,
+                                                  image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
+                                                  vision_feature_select_strategy="default")
+            images = transformers.LlavaNextImageProcessorPil(size=size[0], crop_size=size[1],
+                                                             image_grid_pinpoints=pinpoints)
+            processor = transformers.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                                                        vision_feature_select_strategy="default",
+                                                        image_token="<image>", num_additional_image_tokens=1,
+                                                        chat_template=template)
+            model_cls = transformers.LlavaNextForConditionalGeneration
+        else:
+            config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=image_id,
+                                              vision_feature_layer=-2, vision_feature_select_strategy="default")
+            images = transformers.CLIPImageProcessorPil(size=size[0], crop_size=size[1])
+            processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                                                    vision_feature_select_strategy="default", image_token="<image>",
+                                                    num_additional_image_tokens=1, chat_template=template)
+            model_cls = transformers.LlavaForConditionalGeneration
+    else:                                    # Gemma 3: SigLIP (896 pixels, 256 soft tokens in the original)
+        marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+        tokenizer = vlm_tokenizer(cache, list(marks.values()), marks)
+        template = VLM_TEMPLATE.replace("PICTURE", "<start_of_image>")
+        ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in marks.items()}
+        text = transformers.Gemma3TextConfig(**{**VLM_TINY_TEXT, "vocab_size": len(tokenizer)}, head_dim=8)
+        vision = transformers.SiglipVisionConfig(**VLM_TINY_VISION, image_size=224, patch_size=14,
+                                                 vision_use_head=False)       # as Gemma 3's own: no pooling head
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=64,
+                                           boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                                           image_token_index=ids["image_token"])
+        images = transformers.Gemma3ImageProcessorPil(size={"height": 224, "width": 224})
+        processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=64,
+                                                 chat_template=template)
+        model_cls = transformers.Gemma3ForConditionalGeneration
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(folder)
+
+
 # --- the zen dataset -------------------------------------------------------------------------------------------
 
-def build_zen(datasets_cache: Path, trl_repo: Path, rev: str):
-    "TRL's generate_zen_dataset.py, its push_to_hub replaced by a write into the local datasets cache."
+def build_zen(datasets_cache: Path, trl_repo: Path, rev: str, repo_id: str = "trl-internal-testing/zen",
+              script: str = "scripts/generate_zen_dataset.py"):
+    "TRL's dataset script (generate_zen_dataset.py by default), its push_to_hub replaced by a write into the local cache."
     import datasets
     from datasets.packaged_modules.parquet.parquet import Parquet
 
-    final = datasets_cache / "trl-internal-testing___zen"
+    name = repo_id.split("/")[1]
+    final = datasets_cache / f"trl-internal-testing___{name}"
     if final.exists():
         return
-    source = trl_repo_file(trl_repo, rev, "scripts/generate_zen_dataset.py")
+    source = trl_repo_file(trl_repo, rev, script)
     configs = {}
 
     def capture(self, repo_id, config_name="default", **kwargs):
@@ -279,23 +377,23 @@ def build_zen(datasets_cache: Path, trl_repo: Path, rev: str):
     original = datasets.DatasetDict.push_to_hub
     datasets.DatasetDict.push_to_hub = capture
     try:
-        module.main(test_size=0.1, push_to_hub=True, repo_id="trl-internal-testing/zen")
+        module.main(test_size=0.1, push_to_hub=True, repo_id=repo_id)
     finally:
         datasets.DatasetDict.push_to_hub = original
-    building = datasets_cache / "zen"
+    building = datasets_cache / name
     shutil.rmtree(building, ignore_errors=True)
     with tempfile.TemporaryDirectory() as scratch:
-        for name, splits in configs.items():
+        for config, splits in configs.items():
             files = {}
             for split, dataset in splits.items():
-                files[split] = str(Path(scratch) / f"{name}-{split}.parquet")
+                files[split] = str(Path(scratch) / f"{config}-{split}.parquet")
                 dataset.to_parquet(files[split])
-            builder = Parquet(cache_dir=str(datasets_cache), dataset_name="zen", config_name=name,
+            builder = Parquet(cache_dir=str(datasets_cache), dataset_name=name, config_name=config,
                               hash=SNAPSHOT_SHA, data_files=files)
             builder.download_and_prepare()
             config_dir = Path(builder.cache_dir).parents[1]  # zen/<name>-<data files hash>/0.0.0/<sha>
-            config_dir.rename(building / name)
-    building.rename(final)  # where datasets looks for trl-internal-testing/zen when offline
+            config_dir.rename(building / config)
+    building.rename(final)  # where datasets looks for trl-internal-testing/<name> when offline
 
 
 def build_cache(cache: Path, trl_repo: Path, rev: str) -> dict[str, str]:
@@ -312,6 +410,12 @@ def build_cache(cache: Path, trl_repo: Path, rev: str) -> dict[str, str]:
             print(f"trl_suite: building {repo_id}", flush=True)
             build_model(hub, repo_id, tokenizers)
     build_zen(datasets_cache, trl_repo, rev)
+    for repo_id in VLM_MODELS:
+        if not (hub_folder(hub, repo_id) / "config.json").exists():
+            print(f"trl_suite: building {repo_id}", flush=True)
+            build_vlm(hub, repo_id, cache)
+    for repo_id, script in IMAGE_DATASETS.items():
+        build_zen(datasets_cache, trl_repo, rev, repo_id, script)
     return env
 
 
