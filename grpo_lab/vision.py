@@ -253,11 +253,11 @@ def prepare_image_prompts(rows: list[dict], group: torch.Tensor, processor, chat
         if i > 0 and group[i] == group[i - 1]:
             texts.append(texts[-1]), ids.append(ids[-1]), inputs.append(inputs[-1])
             continue
-        prompt = with_images(row["prompt"], row_images(row)) if row_images(row) else row["prompt"]
-        if not isinstance(prompt, list):
+        if not isinstance(row["prompt"], list):
             raise ValueError(f"row {i}: pictures need a conversational prompt (a list of messages) to place them in, "
-                             f"got {type(prompt).__name__}; give the raw conversation and let the trainer apply the "
+                             f"got {type(row['prompt']).__name__}; give the raw conversation and let the trainer apply the "
                              "chat template, as TRL asks.")
+        prompt = with_images(row["prompt"], row_images(row)) if row_images(row) else row["prompt"]
         text = processor.apply_chat_template(_without_pictures(prompt), add_generation_prompt=True, tokenize=False,
                                              **(chat_template_kwargs or {}))
         pictures = prompt_images(prompt)

@@ -129,6 +129,15 @@ def test_each_completion_is_scored_with_its_own_prompts_pictures(vlm_path):
     torch.testing.assert_close(part, logps[1:3])              # a micro-batch keeps its rows' pictures
 
 
+
+def test_a_plain_string_prompt_with_a_picture_is_refused_with_the_sentence_that_says_why(vlm_path):
+    "A string prompt has no turn to put a picture in: the refusal names it (it used to fail inside with_images)."
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(vlm_path)
+    for row in ({"prompt": "Which colour?", "image": square("red")}, {"prompt": "Which colour?"}):
+        with pytest.raises(ValueError, match="row 0: pictures need a conversational prompt .* got str"):
+            prepare_image_prompts([row], torch.tensor([0]), processor)
+
 # --- parity with TRL 1.16: one step on the same model, pictures and completions ---
 
 class ReplayEngine(RolloutEngine):
