@@ -24,7 +24,7 @@ import torch
 
 from .loss import completion_logps
 from .rollout import Completions, GenerateEngine
-from .vllm_engine import VLLMServerEngine, _vllm_name, merged_weights, policy_weights
+from .vllm_engine import VLLMServerEngine, base_weight_name, merged_weights, policy_weights
 
 # %% auto 0
 __all__ = ['Flight', 'flight', 'WorkerResult', 'worker_main', 'server_worker_main', 'AsyncWorkerError', 'worker_payload',
@@ -309,8 +309,8 @@ def _moved_weights(model) -> dict:
     if not hasattr(model, "peft_config"):
         return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     from peft.tuners.lora import LoraLayer
-    adapted = {_vllm_name(name) + ".weight" for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    adapted |= {_vllm_name(n) for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    adapted = {base_weight_name(name) + ".weight" for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    adapted |= {base_weight_name(n) for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
     return {k: v for k, v in merged_weights(model).items() if k in adapted}
 
 

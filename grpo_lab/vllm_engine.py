@@ -28,9 +28,9 @@ from .rollout import (Completions, RolloutEngine, SamplingSettings, completion_m
 logger = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['logger', 'VLLM_INSTALL', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm', 'merged_weights', 'sampling_params',
-           'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_samples', 'make_llm',
-           'VLLMEngine', 'VLLMColocateEngine', 'VLLMServer', 'serve', 'main', 'VLLMServerEngine',
+__all__ = ['logger', 'VLLM_INSTALL', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm', 'base_weight_name', 'merged_weights',
+           'sampling_params', 'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_samples',
+           'make_llm', 'VLLMEngine', 'VLLMColocateEngine', 'VLLMServer', 'serve', 'main', 'VLLMServerEngine',
            'vllm_engine_from_config']
 
 # %% ../nbs/06d_vllm.ipynb
@@ -58,7 +58,7 @@ def import_vllm():
     return vllm
 
 # %% ../nbs/06d_vllm.ipynb
-def _vllm_name(name: str) -> str:
+def base_weight_name(name: str) -> str:
     "A peft parameter name as the base model (and vLLM) names it."
     name = name.removeprefix("base_model.model.")
     for wrapper in (".base_layer", ".modules_to_save.default"):
@@ -79,15 +79,15 @@ def merged_weights(policy) -> dict[str, torch.Tensor]:
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
                     weight += module.get_delta_weight(adapter).to(weight.dtype)
-            weights[_vllm_name(name) + ".weight"] = weight
+            weights[base_weight_name(name) + ".weight"] = weight
             merged.add(name + ".base_layer.weight")
         elif hasattr(getattr(module, "weight", None), "quant_state") and name + ".weight" not in merged:
-            weights[_vllm_name(name) + ".weight"] = dequantize_module_weight(module)   # a 4-bit layer with no adapter
+            weights[base_weight_name(name) + ".weight"] = dequantize_module_weight(module)   # a 4-bit layer with no adapter
             merged.add(name + ".weight")
     for name, param in policy.named_parameters():
         if "lora_" in name or "original_module" in name or name in merged:
             continue
-        weights.setdefault(_vllm_name(name), param.detach())
+        weights.setdefault(base_weight_name(name), param.detach())
     return weights
 
 # %% ../nbs/06d_vllm.ipynb
