@@ -36,8 +36,8 @@ ARMS = {
     "scale_rewards=none": {"scale_rewards": "none"},                   # Dr. GRPO: no division by the group's std
     "beta=0.04": {"beta": 0.04},                                       # the KL term against the starting policy
     "entropy_coef=0.01": {"entropy_coef": 0.01},                       # an entropy bonus (TRL 1.16's entropy_coef)
-    "overlong_punishment": {"overlong": (5, 2)},                       # DAPO's soft overlong punishment reward, added
-}
+    "overlong_punishment": {"overlong": (5, 1)},   # DAPO's soft overlong punishment, a second reward: up to 4 tokens
+}                                                  # free (an answer of <= 3 characters and EOS), 5 tokens -1
 
 
 def _held_out_callback(held_out, every: int, max_new_tokens: int, points: list, step_seconds: list, step_cpu: list):
