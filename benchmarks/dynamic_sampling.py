@@ -13,7 +13,9 @@ seconds carry the other jobs' share, the CPU seconds much less of it.
 
 "Time to the baseline's accuracy": for each seed, the training seconds the `on` run took to first reach, at one of its
 held-out measurements, the accuracy the `off` run ended with (the `off` run took its total seconds, by construction);
-the ratio of the two is the figure the target speaks of. A run that never reaches it counts as not reached.
+the ratio of the two is the figure the target speaks of. A run that never reaches it counts as not reached. "At the
+same time": the `on` run's accuracy at its last measurement within the `off` run's training seconds, against the
+`off` run's final accuracy.
 """
 import argparse
 import statistics
@@ -25,6 +27,11 @@ from ladder import read_runs, run_interleaved, summarize
 def time_to_reach(run: dict, accuracy: float, cpu: bool = False) -> float | None:
     "Training seconds (wall, or CPU) at the first held-out measurement of `run` at or above `accuracy` (None: never)."
     return next((point[3 if cpu else 2] for point in run["accuracy_curve"] if point[1] >= accuracy), None)
+
+
+def accuracy_within(run: dict, seconds: float, cpu: bool = False) -> float:
+    "The held-out accuracy of `run` at its last measurement within `seconds` of training (wall, or CPU)."
+    return [point[1] for point in run["accuracy_curve"] if point[3 if cpu else 2] <= seconds][-1]
 
 
 def compare(runs: list[dict]) -> str:
@@ -50,6 +57,8 @@ def compare(runs: list[dict]) -> str:
                      f"{'-' if t is None else f'{reach[-1]:.2f}, {cpu_reach[-1]:.2f}'} | {rounds:.2f} | "
                      f"{a['loadavg'][0]}, {b['loadavg'][0]} |")
     lift = [100 * (on[s]["accuracy"] - off[s]["accuracy"]) for s in seeds]
+    same_time = [100 * (accuracy_within(on[s], off[s]["train_seconds"]) - off[s]["accuracy"]) for s in seeds]
+    same_cpu = [100 * (accuracy_within(on[s], off[s]["train_cpu_seconds"], cpu=True) - off[s]["accuracy"]) for s in seeds]
     reached = [x for x in reach if x is not None]
     lines += ["", f"seeds {len(seeds)}; accuracy off {statistics.mean(100 * off[s]['accuracy'] for s in seeds):.1f}%, "
               f"on {statistics.mean(100 * on[s]['accuracy'] for s in seeds):.1f}%; lift {statistics.mean(lift):+.1f} points "
@@ -59,7 +68,10 @@ def compare(runs: list[dict]) -> str:
               f"off's final accuracy reached by 'on' in {len(reached)} of {len(seeds)} seeds"
               + (f", at {statistics.mean(reached):.2f}x off's wall seconds on average (min {min(reached):.2f}, max "
                  f"{max(reached):.2f}) and {statistics.mean(x for x in cpu_reach if x is not None):.2f}x its CPU seconds"
-                 if reached else "")]
+                 if reached else ""),
+              "", f"at the same time: 'on' at its last measurement within off's training seconds minus off's final "
+              f"accuracy, per seed: wall {', '.join(f'{x:+.1f}' for x in same_time)} (mean {statistics.mean(same_time):+.1f} "
+              f"points); CPU {', '.join(f'{x:+.1f}' for x in same_cpu)} (mean {statistics.mean(same_cpu):+.1f} points)"]
     return "\n".join(lines)
 
 
