@@ -188,12 +188,28 @@ def _resolve_generation(pd: int, processes: int, accumulation: int, num_generati
     return steps, micro * steps
 
 # %% ../nbs/00_batching.ipynb
-def expected_rounds(zero_std_share: float, max_rounds: int) -> float:
-    """Mean generation rounds per step when each group independently has no spread with probability
-    `zero_std_share` (a geometric count of rounds, capped at `max_rounds`; whole batches, so an approximation)."""
+def _binomial_cdf(m: int, n: int, p: float) -> float:
+    "P(Binomial(n, p) <= m): exact up to n = 20,000 trials, a normal approximation (continuity-corrected) beyond."
+    if m < 0:
+        return 0.0
+    if p <= 0 or m >= n:
+        return 1.0
+    if p >= 1:
+        return 0.0
+    if n > 20_000:
+        mean, sd = n * p, math.sqrt(n * p * (1 - p))
+        return 0.5 * math.erfc((mean - m - 0.5) / (sd * math.sqrt(2)))
+    log_p, log_q, log_n = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    return min(1.0, sum(math.exp(log_n - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q)
+                        for j in range(m + 1)))
+
+
+def expected_rounds(zero_std_share: float, max_rounds: int, groups: int) -> float:
+    """Mean generation batches one step samples under dynamic sampling: each round brings `groups` groups, each without
+    a spread with probability `zero_std_share` independently; rounds go on until `groups` teach, at most `max_rounds`."""
     if not 0 <= zero_std_share < 1:
         raise ValueError(f"zero_std_share={zero_std_share}: a share of groups, at least 0 and below 1")
-    return sum(zero_std_share ** k for k in range(max_rounds))
+    return 1 + sum(_binomial_cdf(groups - 1, k * groups, 1 - zero_std_share) for k in range(1, max_rounds))
 
 # %% ../nbs/00_batching.ipynb
 def _check_dynamic(args: dict):
@@ -215,12 +231,16 @@ def _check_dynamic(args: dict):
                                "zero_std_share out.", [{"dynamic_sampling": True}, {"zero_std_share": None}])
 
 
-def _dynamic_counts(args: dict, generated: float) -> dict:
-    "The plan's dynamic-sampling fields, from `generated`, the completions a plain optimizer step generates."
+def _dynamic_counts(args: dict, generated: float, unique: int) -> dict:
+    """The plan's dynamic-sampling fields, from `generated`, the completions a plain optimizer step generates, and
+    `unique`, the prompts (groups) of a generation batch over all processes."""
     if not args.get("dynamic_sampling"):
         return {}
-    rounds, share = args["dynamic_sampling_max_rounds"], args.get("zero_std_share")
-    expected = None if share is None else expected_rounds(share, rounds)
+    processes, rounds, share = args["num_processes"], args["dynamic_sampling_max_rounds"], args.get("zero_std_share")
+    if unique % processes:
+        raise BatchConfigError(f"dynamic_sampling=True needs every process to hold whole groups: {unique} prompts per "
+                               f"generation batch over {processes} processes; make them a multiple of the processes.")
+    expected = None if share is None else expected_rounds(share, rounds, unique // processes)
     return {"dynamic_sampling_max_rounds": rounds, "zero_std_share": share, "expected_generation_rounds": expected,
             "max_generated_per_optimizer_step": generated * rounds,
             "expected_generated_per_optimizer_step": None if expected is None else generated * expected}
@@ -253,7 +273,7 @@ def _build_plan(args: dict) -> BatchPlan:
     return BatchPlan(pd, accumulation, processes, group, n, a["num_train_epochs"], a["num_iterations"], max_steps,
                      steps, generation, unique, pd * processes, per_step, per_step / group, gens,
                      None if n is None else n - gens * unique, micro, per_epoch, total,
-                     **_dynamic_counts(a, per_step / a["num_iterations"]))
+                     **_dynamic_counts(a, per_step / a["num_iterations"], unique))
 
 # %% ../nbs/00_batching.ipynb
 def _valid(args: dict) -> bool:

@@ -18,12 +18,13 @@ def test_demo_batch_worst_and_expected_generation():
     plan = plan_batches(**DEMO, dynamic_sampling=True, dynamic_sampling_max_rounds=4, zero_std_share=0.4)
     assert plan.completions_per_optimizer_step == 128 and plan.total_optimizer_steps == 700    # what is trained
     assert plan.max_generated_per_optimizer_step == 4 * 128
-    assert plan.expected_generation_rounds == pytest.approx(1.624)
-    assert plan.expected_generated_per_optimizer_step == pytest.approx(207.872)
+    # 16 groups a round, each teaching with probability 0.6: the first round is full only when all 16 teach
+    assert plan.expected_generation_rounds == pytest.approx(2.0917, abs=1e-4)
+    assert plan.expected_generated_per_optimizer_step == pytest.approx(128 * 2.0917, abs=0.02)
     text = plan.explain()
-    assert "4 x 128 = 512 at worst" in text and "207.9 completions generated per optimizer step" in text
+    assert "4 x 128 = 512 at worst" in text and "267.7 completions generated per optimizer step" in text
     assert "between ceil(375 / 4) = 94 and 375 optimizer steps" in text
-    assert "expected_generated_per_optimizer_step  207.9" in repr(plan)
+    assert "expected_generated_per_optimizer_step  267.7" in repr(plan)
 
 
 def test_accumulation_iterations_and_processes():
@@ -31,16 +32,23 @@ def test_accumulation_iterations_and_processes():
     plan = plan_batches(4, 3, num_processes=2, num_generations=4, num_iterations=2, dynamic_sampling=True,
                         dynamic_sampling_max_rounds=3, zero_std_share=0.5)
     assert plan.max_generated_per_optimizer_step == 4 * 2 * 3 / 2 * 3
-    assert plan.expected_generated_per_optimizer_step == pytest.approx(12 * 1.75)
+    # 3 groups per process a round: 1 + P(Bin(3, 1/2) < 3) + P(Bin(6, 1/2) < 3) = 1 + 7/8 + 22/64 rounds
+    assert plan.expected_generated_per_optimizer_step == pytest.approx(12 * (1 + 7 / 8 + 22 / 64))
+    with pytest.raises(BatchConfigError, match="whole groups"):
+        plan_batches(2, 3, num_processes=4, num_generations=4, dynamic_sampling=True)    # 6 groups over 4 processes
     no_share = plan_batches(4, 3, num_processes=2, num_generations=4, dynamic_sampling=True)
     assert no_share.zero_std_share is None and no_share.expected_generated_per_optimizer_step is None
     assert no_share.max_generated_per_optimizer_step == 24 * 4 and "expected" not in repr(no_share)
 
 
-def test_expected_rounds_approaches_one_over_one_minus_share():
-    assert expected_rounds(0.0, 4) == 1 and expected_rounds(0.56, 200) == pytest.approx(1 / 0.44)
-    assert expected_rounds(0.9, 4) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
-    assert expected_rounds(0.5, 1) == 1                      # one round: no refill, whatever the share
+def test_expected_rounds_counts_whole_rounds():
+    "One group: a geometric count; many groups: whole rounds, ceil(1 / (1 - z)) in the limit, not 1 / (1 - z)."
+    assert expected_rounds(0.0, 4, 16) == 1 and expected_rounds(0.56, 200, 1) == pytest.approx(1 / 0.44)
+    assert expected_rounds(0.9, 4, 1) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    assert expected_rounds(0.5, 1, 16) == 1                  # one round: no refill, whatever the share
+    assert expected_rounds(0.37, 2, 16) == pytest.approx(2 - 0.63 ** 16)
+    assert expected_rounds(0.37, 4, 100_000) == pytest.approx(2, abs=1e-6)          # the normal approximation's side
+    assert expected_rounds(0.56, 8, 100_000) == pytest.approx(3, abs=1e-6)
 
 
 @settings(max_examples=200, deadline=1000)
@@ -60,6 +68,10 @@ def test_off_is_the_plain_plan(pd, ga, procs, g, n, mu, steps):
     off = plan_batches(**kw, dynamic_sampling=False, dynamic_sampling_max_rounds=7)
     assert off == plain and repr(off) == repr(plain) and off.explain() == plain.explain()
     assert all(getattr(off, name) is None for name in DYNAMIC_FIELDS) and "dynamic" not in repr(off)
+    if plain.unique_prompts_per_generation % procs:
+        with pytest.raises(BatchConfigError, match="whole groups"):
+            plan_batches(**kw, dynamic_sampling=True)
+        return
     on = plan_batches(**kw, dynamic_sampling=True, dynamic_sampling_max_rounds=3, zero_std_share=0.25)
     common = [f.name for f in dataclasses.fields(on) if f.name not in DYNAMIC_FIELDS]
     assert all(getattr(on, name) == getattr(plain, name) for name in common)       # what is trained stays
@@ -82,13 +94,14 @@ def test_plan_for_reads_the_config(tmp_path):
     on = GRPOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=32, num_generations=8,
                     max_steps=10, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     plan = plan_for(on, dataset_size=400, zero_std_share=0.5)
-    assert (plan.max_generated_per_optimizer_step, plan.expected_generated_per_optimizer_step) == (96, 56)
+    assert plan.max_generated_per_optimizer_step == 96                       # 32 completions x 3 rounds
+    assert plan.expected_generated_per_optimizer_step == pytest.approx(32 * (1 + 15 / 16 + 93 / 256))   # 4 groups a round
     off = GRPOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=32, num_generations=8,
                      max_steps=10)
     assert plan_for(off, dataset_size=400) == plan_batches(32, 1, num_generations=8, dataset_size=400, max_steps=10,
                                                           num_train_epochs=3)     # GRPOConfig: 3 epochs
     assert plan_for({"per_device_train_batch_size": 32, "gradient_accumulation_steps": 1, "dynamic_sampling": True},
-                    zero_std_share=0.5).expected_generated_per_optimizer_step == 32 * 1.875
+                    zero_std_share=0.5).expected_generated_per_optimizer_step == 32 * expected_rounds(0.5, 4, 4)
 
 
 def test_batch_explorer_counts_and_restores():
@@ -97,7 +110,7 @@ def test_batch_explorer_counts_and_restores():
     explorer.apply({"dynamic_sampling": True, "zero_std_share": 0.5, "dynamic_sampling_max_rounds": 2})
     rows = {row[0]: row[1] for row in plan_tables(explorer.state)[0]}
     assert rows["generated per optimizer step, worst (2 rounds)"] == 256
-    assert rows["generated per optimizer step, expected (0.5 without a spread)"] == 192
+    assert rows["generated per optimizer step, expected (0.5 without a spread)"] == pytest.approx(128 * (2 - 0.5 ** 16))
     assert "256 at worst" in explorer.text()
     explorer.controls["dynamic_sampling"].value = False
     assert explorer.text() == plain_text and explorer.arguments["zero_std_share"] is None
