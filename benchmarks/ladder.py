@@ -10,6 +10,11 @@ alike, and every run records the load average it started under.
     nice -n 5 python benchmarks/ladder.py --seeds 0 1 2 --steps 200 --output benchmarks/results/ladder-2026-11-27.jsonl
     python benchmarks/ladder.py --summarize benchmarks/results/ladder-2026-11-27.jsonl
 
+`CLIP_ARMS` gives clip-higher something to clip (each batch learned from twice), recorded apart:
+
+    nice -n 5 python benchmarks/ladder.py --arms "num_iterations=2" "num_iterations=2, epsilon_high=0.28" --seeds 0 1 2 \
+        --steps 150 --eval-every 15 --output benchmarks/results/ladder-clip-higher-2026-11-27.jsonl
+
 `benchmarks/dynamic_sampling.py` runs two of these arms (baseline, dynamic_sampling) with more seeds; `--reuse` copies
 that record's runs of the same recipe (arm, seed and steps) into this one, each marked with `"from"`, instead of running
 them again:
@@ -38,6 +43,12 @@ ARMS = {
     "entropy_coef=0.01": {"entropy_coef": 0.01},                       # an entropy bonus (TRL 1.16's entropy_coef)
     "overlong_punishment": {"overlong": (5, 1)},   # DAPO's soft overlong punishment, a second reward: up to 4 tokens
 }                                                  # free (an answer of <= 3 characters and EOS), 5 tokens -1
+# Clip-higher acts only where the ratio leaves 1: with each batch learned from twice. Compared with each other, not with
+# the baseline (two changes); recorded apart (benchmarks/results/ladder-clip-higher-2026-11-27.jsonl).
+CLIP_ARMS = {
+    "num_iterations=2": {"num_iterations": 2},
+    "num_iterations=2, epsilon_high=0.28": {"num_iterations": 2, "epsilon_high": 0.28},
+}
 
 
 def _held_out_callback(held_out, every: int, max_new_tokens: int, points: list, step_seconds: list, step_cpu: list):
@@ -73,7 +84,7 @@ def run_arm(arm: str, seed: int, steps: int, eval_every: int, eval_size: int = 5
     from grpo_lab.cli import demo_config, demo_problems, demo_recipe
     from grpo_lab.scripts import get_soft_overlong_punishment
     from grpo_lab.trainer import GRPOTrainer
-    changes = dict(ARMS[arm] if changes is None else changes)
+    changes = dict({**ARMS, **CLIP_ARMS}[arm] if changes is None else changes)
     recorded = dict(changes)
     recipe = demo_recipe("tiny", steps=steps, eval_every=eval_every, eval_size=eval_size)
     model_path, train_set, held_out = demo_problems("tiny", seed, recipe.eval_size)
@@ -149,7 +160,7 @@ def summarize(runs: list[dict]) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *CLIP_ARMS])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=25)
