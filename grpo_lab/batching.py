@@ -10,11 +10,12 @@ import math
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from numbers import Integral
+from numbers import Integral, Real
 
 # %% auto 0
-__all__ = ['OPTIONAL_COUNTS', 'BATCH_OPTIONS', 'BatchPlan', 'BatchConfigError', 'short_repr', 'check_num_generations',
-           'suggest_fixes', 'plan_batches', 'plan_for', 'describe_error', 'check_trl_versions', 'plot_generation_batch']
+__all__ = ['OPTIONAL_COUNTS', 'DYNAMIC_OPTIONS', 'BATCH_OPTIONS', 'DYNAMIC_FIELDS', 'BatchPlan', 'BatchConfigError', 'short_repr',
+           'check_num_generations', 'expected_rounds', 'suggest_fixes', 'plan_batches', 'plan_for', 'describe_error',
+           'check_trl_versions', 'plot_generation_batch']
 
 # %% ../nbs/00_batching.ipynb
 @dataclass(frozen=True)
@@ -39,12 +40,21 @@ class BatchPlan:
     micro_steps_per_epoch: int | None         # per process
     optimizer_steps_per_epoch: int | None
     total_optimizer_steps: int | None
+    dynamic_sampling_max_rounds: int | None = None              # None: dynamic sampling off
+    zero_std_share: float | None = None                         # share of groups without a spread, when given
+    expected_generation_rounds: float | None = None             # generation batches sampled per one trained
+    max_generated_per_optimizer_step: float | None = None       # completions, all processes, worst case
+    expected_generated_per_optimizer_step: float | None = None  # completions, all processes, at zero_std_share
 
     def __repr__(self) -> str:
-        rows = [(f.name, _show(getattr(self, f.name)), _MEANING[f.name]) for f in fields(self)]
+        shown = [f.name for f in fields(self) if f.name not in DYNAMIC_FIELDS or getattr(self, f.name) is not None]
+        rows = [(name, _show(getattr(self, name)), _MEANING[name]) for name in shown]
         width, value_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
         lines = [f"  {n:<{width}}  {v:>{value_width}}  {m}".rstrip() for n, v, m in rows]
-        lines.insert(8, "  " + "-" * (width + value_width + 2))
+        rule = "  " + "-" * (width + value_width + 2)
+        lines.insert(8, rule)
+        if self.dynamic_sampling_max_rounds is not None:             # dynamic sampling's rows, apart
+            lines.insert(len(fields(self)) - len(DYNAMIC_FIELDS) + 1, rule)
         return "BatchPlan(\n" + "\n".join(lines) + "\n)"
 
     def explain(self) -> str:
@@ -80,7 +90,27 @@ class BatchPlan:
             how = ("max_steps overrides the epochs" if self.max_steps and self.max_steps > 0
                    else f"{_plural(self.num_train_epochs, 'epoch')} x {self.optimizer_steps_per_epoch}")
             text.append(f"Total: {how}: {self.total_optimizer_steps} optimizer steps.")
-        return "\n".join(text)
+        return "\n".join(text + self._explain_dynamic())
+
+    def _explain_dynamic(self) -> list[str]:
+        "Dynamic sampling's part of `explain`: the generation a step may cost (nothing when it is off)."
+        rounds = self.dynamic_sampling_max_rounds
+        if rounds is None:
+            return []
+        plain = self.completions_per_optimizer_step / self.num_iterations
+        text = [f"Dynamic sampling: a generation batch whose groups lack a spread of rewards is refilled from up to "
+                f"{rounds - 1} more (dynamic_sampling_max_rounds {rounds}), so an optimizer step generates "
+                f"{_show(plain)} completions at best and {rounds} x {_show(plain)} = "
+                f"{_show(self.max_generated_per_optimizer_step)} at worst; it still trains on {self.completions_per_optimizer_step}."]
+        if self.zero_std_share is not None:
+            text.append(f"With a share {_show(self.zero_std_share)} of groups without a spread, a step samples about "
+                        f"{self.expected_generation_rounds:.2f} generation batches: {_show(self.expected_generated_per_optimizer_step)} "
+                        f"completions generated per optimizer step, {self.expected_generation_rounds:.2f}x the plain run's.")
+        if self.optimizer_steps_per_epoch is not None:
+            text.append(f"The prompts are read up to {rounds}x as fast, so an epoch of the data lasts between "
+                        f"ceil({self.optimizer_steps_per_epoch} / {rounds}) = {math.ceil(self.optimizer_steps_per_epoch / rounds)} "
+                        f"and {self.optimizer_steps_per_epoch} optimizer steps; the run's total stays {self.total_optimizer_steps}.")
+        return text
 
 # %% ../nbs/00_batching.ipynb
 class BatchConfigError(ValueError):
@@ -107,11 +137,14 @@ def short_repr(value, limit: int = 80) -> str:
 
 # %% ../nbs/00_batching.ipynb
 OPTIONAL_COUNTS = ("dataset_size", "steps_per_generation", "generation_batch_size", "max_steps")
+DYNAMIC_OPTIONS = ("dynamic_sampling", "dynamic_sampling_max_rounds", "zero_std_share")   # checked by _check_dynamic
 
 
 def _check_types(args: dict):
     "Raise `BatchConfigError` for any argument that is not a whole number (or `None` where allowed)."
     for name, value in args.items():
+        if name in DYNAMIC_OPTIONS:
+            continue
         if value is None and name in OPTIONAL_COUNTS:
             continue
         if isinstance(value, bool) or not isinstance(value, Integral):
@@ -155,6 +188,64 @@ def _resolve_generation(pd: int, processes: int, accumulation: int, num_generati
     return steps, micro * steps
 
 # %% ../nbs/00_batching.ipynb
+def _binomial_cdf(m: int, n: int, p: float) -> float:
+    "P(Binomial(n, p) <= m): exact up to n = 20,000 trials, a normal approximation (continuity-corrected) beyond."
+    if m < 0:
+        return 0.0
+    if p <= 0 or m >= n:
+        return 1.0
+    if p >= 1:
+        return 0.0
+    if n > 20_000:
+        mean, sd = n * p, math.sqrt(n * p * (1 - p))
+        return 0.5 * math.erfc((mean - m - 0.5) / (sd * math.sqrt(2)))
+    log_p, log_q, log_n = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    return min(1.0, sum(math.exp(log_n - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q)
+                        for j in range(m + 1)))
+
+
+def expected_rounds(zero_std_share: float, max_rounds: int, groups: int) -> float:
+    """Mean generation batches one step samples under dynamic sampling: each round brings `groups` groups, each without
+    a spread with probability `zero_std_share` independently; rounds go on until `groups` teach, at most `max_rounds`."""
+    if not 0 <= zero_std_share < 1:
+        raise ValueError(f"zero_std_share={zero_std_share}: a share of groups, at least 0 and below 1")
+    return 1 + sum(_binomial_cdf(groups - 1, k * groups, 1 - zero_std_share) for k in range(1, max_rounds))
+
+# %% ../nbs/00_batching.ipynb
+def _check_dynamic(args: dict):
+    "Raise `BatchConfigError` for a bad `dynamic_sampling`, `dynamic_sampling_max_rounds` or `zero_std_share`."
+    on, rounds, share = args["dynamic_sampling"], args["dynamic_sampling_max_rounds"], args["zero_std_share"]
+    if not isinstance(on, bool):
+        raise BatchConfigError(f"dynamic_sampling={short_repr(on)} ({type(on).__name__}) must be True or False.")
+    if isinstance(rounds, bool) or not isinstance(rounds, Integral) or rounds < 1:
+        raise BatchConfigError(f"dynamic_sampling_max_rounds={short_repr(rounds)} must be a whole number >= 1: the "
+                               "generation batches one step may sample, the first included.")
+    if share is None:
+        return
+    if isinstance(share, bool) or not isinstance(share, Real) or not 0 <= share < 1:
+        raise BatchConfigError(f"zero_std_share={short_repr(share)} must be a share of groups, at least 0 and below 1 "
+                               "(the demo logs it as frac_reward_zero_std).")
+    if not on:
+        raise BatchConfigError(f"zero_std_share={short_repr(share)} only counts with dynamic_sampling=True: without "
+                               "it a step generates one batch whatever the share; pass dynamic_sampling=True or leave "
+                               "zero_std_share out.", [{"dynamic_sampling": True}, {"zero_std_share": None}])
+
+
+def _dynamic_counts(args: dict, generated: float, unique: int) -> dict:
+    """The plan's dynamic-sampling fields, from `generated`, the completions a plain optimizer step generates, and
+    `unique`, the prompts (groups) of a generation batch over all processes."""
+    if not args.get("dynamic_sampling"):
+        return {}
+    processes, rounds, share = args["num_processes"], args["dynamic_sampling_max_rounds"], args.get("zero_std_share")
+    if unique % processes:
+        raise BatchConfigError(f"dynamic_sampling=True needs every process to hold whole groups: {unique} prompts per "
+                               f"generation batch over {processes} processes; make them a multiple of the processes.")
+    expected = None if share is None else expected_rounds(share, rounds, unique // processes)
+    return {"dynamic_sampling_max_rounds": rounds, "zero_std_share": share, "expected_generation_rounds": expected,
+            "max_generated_per_optimizer_step": generated * rounds,
+            "expected_generated_per_optimizer_step": None if expected is None else generated * expected}
+
+# %% ../nbs/00_batching.ipynb
 def _build_plan(args: dict) -> BatchPlan:
     "Check the ranges and rules of `args` (the arguments of `plan_batches`) and derive every count."
     a = dict(args)
@@ -181,7 +272,8 @@ def _build_plan(args: dict) -> BatchPlan:
     total = max_steps if max_steps is not None else None if n is None else a["num_train_epochs"] * per_epoch
     return BatchPlan(pd, accumulation, processes, group, n, a["num_train_epochs"], a["num_iterations"], max_steps,
                      steps, generation, unique, pd * processes, per_step, per_step / group, gens,
-                     None if n is None else n - gens * unique, micro, per_epoch, total)
+                     None if n is None else n - gens * unique, micro, per_epoch, total,
+                     **_dynamic_counts(a, per_step / a["num_iterations"], unique))
 
 # %% ../nbs/00_batching.ipynb
 def _valid(args: dict) -> bool:
@@ -338,15 +430,21 @@ def suggest_fixes(args: dict) -> list[dict]:
 def plan_batches(per_device_train_batch_size: int, gradient_accumulation_steps: int, num_processes: int = 1,
                  num_generations: int = 8, dataset_size: int | None = None, num_train_epochs: int = 1,
                  num_iterations: int = 1, steps_per_generation: int | None = None,
-                 generation_batch_size: int | None = None, max_steps: int | None = None) -> BatchPlan:
-    "The GRPO batch arithmetic of current TRL for one configuration; raises `BatchConfigError` with fixes."
+                 generation_batch_size: int | None = None, max_steps: int | None = None,
+                 dynamic_sampling: bool = False, dynamic_sampling_max_rounds: int = 4,
+                 zero_std_share: float | None = None) -> BatchPlan:
+    """The GRPO batch arithmetic of current TRL for one configuration; raises `BatchConfigError` with fixes.
+    With `dynamic_sampling` (grpo-lab's, DAPO's; not in TRL 1.16) the plan also counts the generation a step may
+    cost, and its expected cost when a share `zero_std_share` of groups has no spread of rewards."""
     args = dict(per_device_train_batch_size=per_device_train_batch_size,
                 gradient_accumulation_steps=gradient_accumulation_steps, num_processes=num_processes,
                 num_generations=num_generations, dataset_size=dataset_size, num_train_epochs=num_train_epochs,
                 num_iterations=num_iterations, steps_per_generation=steps_per_generation,
-                generation_batch_size=generation_batch_size, max_steps=max_steps)
+                generation_batch_size=generation_batch_size, max_steps=max_steps, dynamic_sampling=dynamic_sampling,
+                dynamic_sampling_max_rounds=dynamic_sampling_max_rounds, zero_std_share=zero_std_share)
     _check_types(args)
-    args = {k: None if v is None else int(v) for k, v in args.items()}
+    _check_dynamic(args)
+    args = {k: v if v is None or k in DYNAMIC_OPTIONS else int(v) for k, v in args.items()}
     try:
         return _build_plan(args)
     except BatchConfigError as e:
@@ -369,8 +467,10 @@ def _whole_epochs(value):
     return value
 
 # %% ../nbs/00_batching.ipynb
-def plan_for(options, num_processes: int = 1, dataset_size: int | None = None) -> BatchPlan:
-    "The plan of a `GRPOConfig`, or of a mapping of its `BATCH_OPTIONS`, on `num_processes` processes."
+def plan_for(options, num_processes: int = 1, dataset_size: int | None = None,
+             zero_std_share: float | None = None) -> BatchPlan:
+    """The plan of a `GRPOConfig`, or of a mapping of its `BATCH_OPTIONS` (and `dynamic_sampling`,
+    `dynamic_sampling_max_rounds`), on `num_processes` processes; `zero_std_share` as in `plan_batches`."""
     get = options.get if isinstance(options, Mapping) else lambda name, default: getattr(options, name, default)
     values = {name: get(name, _PLAN_DEFAULTS[name]) for name in BATCH_OPTIONS}
     missing = [name for name, value in values.items() if value is inspect.Parameter.empty]
@@ -380,7 +480,9 @@ def plan_for(options, num_processes: int = 1, dataset_size: int | None = None) -
     spg, batch = values["steps_per_generation"], values["generation_batch_size"]
     if not isinstance(options, Mapping) and None not in (spg, batch) and batch == values["per_device_train_batch_size"] * num_processes * spg:
         values["generation_batch_size"] = None       # a config that filled in both, consistently (TRL does)
-    return plan_batches(**values, num_processes=num_processes, dataset_size=dataset_size)
+    dynamic = {name: get(name, _PLAN_DEFAULTS[name]) for name in ("dynamic_sampling", "dynamic_sampling_max_rounds")}
+    return plan_batches(**values, **dynamic, num_processes=num_processes, dataset_size=dataset_size,
+                        zero_std_share=zero_std_share)
 
 # %% ../nbs/00_batching.ipynb
 _MEANING = {
@@ -403,7 +505,13 @@ _MEANING = {
     "micro_steps_per_epoch": "per process",
     "optimizer_steps_per_epoch": "",
     "total_optimizer_steps": "",
+    "dynamic_sampling_max_rounds": "generation batches one trained batch may sample",
+    "zero_std_share": "groups without a spread of rewards (given)",
+    "expected_generation_rounds": "generation batches sampled per trained one, expected",
+    "max_generated_per_optimizer_step": "completions generated, all processes, worst case",
+    "expected_generated_per_optimizer_step": "completions generated, all processes, expected",
 }
+DYNAMIC_FIELDS = tuple(list(_MEANING)[-5:])     # the plan's rows that only dynamic sampling fills
 
 
 def _show(value) -> str:

@@ -14,8 +14,7 @@ import torch
 from .rollout import Rollout
 
 # %% auto 0
-__all__ = ['informative_rows', 'concat_rollouts', 'DynamicBatch', 'dynamic_sampling_batch', 'expected_rounds',
-           'check_dynamic_sampling']
+__all__ = ['informative_rows', 'concat_rollouts', 'DynamicBatch', 'dynamic_sampling_batch', 'check_dynamic_sampling']
 
 # %% ../nbs/06q_dynamic.ipynb
 def informative_rows(rollout: Rollout) -> torch.Tensor:
@@ -101,12 +100,7 @@ def dynamic_sampling_batch(first: Rollout, position, n_generations: int | None,
     return DynamicBatch(batch, position, n_generations, rounds, len(dropped), short)
 
 # %% ../nbs/06q_dynamic.ipynb
-def expected_rounds(zero_std_share: float, max_rounds: int) -> float:
-    """Mean generation rounds per step when each group independently has no spread with probability
-    `zero_std_share` (a geometric count of rounds, capped at `max_rounds`; whole batches, so an approximation)."""
-    if not 0 <= zero_std_share < 1:
-        raise ValueError(f"zero_std_share={zero_std_share}: a share of groups, at least 0 and below 1")
-    return sum(zero_std_share ** k for k in range(max_rounds))
+from .batching import expected_rounds
 
 # %% ../nbs/06q_dynamic.ipynb
 def check_dynamic_sampling(args, unique_prompts: int, num_processes: int) -> None:

@@ -9,7 +9,7 @@ import html
 import io
 import math
 import time
-from numbers import Integral
+from numbers import Integral, Real
 
 import ipywidgets as widgets
 import torch
@@ -113,6 +113,11 @@ _BATCH_CONTROLS = {     # plan_batches argument: (label, starting value)
     "generation_batch_size": ("generation_batch_size (0 = auto)", None),
     "max_steps": ("max_steps (0 = from epochs)", None),
 }
+_DYNAMIC_CONTROLS = {   # dynamic sampling (06q): (label, starting value); the share counts only while it is on
+    "dynamic_sampling": ("dynamic sampling (DAPO)", False),
+    "dynamic_sampling_max_rounds": ("max generation rounds per step", 4),
+    "zero_std_share": ("share of groups without a spread", 0.4),
+}
 
 
 # %% ../nbs/07_widgets.ipynb
@@ -136,6 +141,14 @@ def plan_tables(plan: BatchPlan) -> tuple[list, list]:
              ["optimizer steps per epoch", plan.optimizer_steps_per_epoch],
              ["optimizer steps in all", plan.total_optimizer_steps],
              ["prompts dropped per epoch", plan.prompts_dropped_per_epoch]]
+    if plan.dynamic_sampling_max_rounds is not None:                    # dynamic sampling: the generation behind a step
+        worst = plan.max_generated_per_optimizer_step
+        sizes.append([f"generated per optimizer step, worst ({plan.dynamic_sampling_max_rounds} rounds)", worst,
+                      worst / plan.num_generations])
+        if plan.zero_std_share is not None:
+            expected = plan.expected_generated_per_optimizer_step
+            sizes.append([f"generated per optimizer step, expected ({fmt(plan.zero_std_share)} without a spread)",
+                          expected, expected / plan.num_generations])
     return sizes, [[name, unknown if value is None else value] for name, value in steps]
 
 # %% ../nbs/07_widgets.ipynb
@@ -180,18 +193,36 @@ def _check_count(name: str, value):
     return int(value)
 
 
+def _dynamic_controls(start: dict, style: dict, layout) -> dict:
+    "The dynamic-sampling controls from their starting values (checked: a bool, a whole number, a share in [0, 0.95])."
+    on, rounds, share = start["dynamic_sampling"], start["dynamic_sampling_max_rounds"], start["zero_std_share"]
+    if not isinstance(on, bool):
+        raise TypeError(f"dynamic_sampling={on!r} must be True or False.")
+    if isinstance(share, bool) or not isinstance(share, Real) or not 0 <= share <= 0.95:
+        raise TypeError(f"zero_std_share={share!r} must be a share of groups between 0 and 0.95 (the slider's range).")
+    labels = {name: label for name, (label, _) in _DYNAMIC_CONTROLS.items()}
+    return {"dynamic_sampling": widgets.Checkbox(value=on, description=labels["dynamic_sampling"], style=style, layout=layout),
+            "dynamic_sampling_max_rounds": widgets.IntText(value=_check_count("dynamic_sampling_max_rounds", rounds),
+                                                           description=labels["dynamic_sampling_max_rounds"], style=style, layout=layout),
+            "zero_std_share": widgets.FloatSlider(value=share, min=0.0, max=0.95, step=0.05, style=style, layout=layout,
+                                                  description=labels["zero_std_share"])}
+
+
 class BatchExplorer(Explorer):
     "Controls for `plan_batches`' arguments; shows the plan and one generation batch, or the error and its fixes as buttons."
     compute = staticmethod(plan_or_error)
 
     def __init__(self, **plan_kwargs):
-        unknown = sorted(set(plan_kwargs) - set(_BATCH_CONTROLS))
+        unknown = sorted(set(plan_kwargs) - set(_BATCH_CONTROLS) - set(_DYNAMIC_CONTROLS))
         if unknown:
-            raise TypeError(f"BatchExplorer got {unknown}; it takes the arguments of plan_batches: {', '.join(_BATCH_CONTROLS)}.")
+            raise TypeError(f"BatchExplorer got {unknown}; it takes the arguments of plan_batches: "
+                            f"{', '.join([*_BATCH_CONTROLS, *_DYNAMIC_CONTROLS])}.")
         style, layout = {"description_width": "230px"}, widgets.Layout(width="320px")
         self.controls = {name: widgets.IntText(_check_count(name, plan_kwargs.get(name, start)), description=label,
                                                tooltip=name, style=style, layout=layout)
                          for name, (label, start) in _BATCH_CONTROLS.items()}
+        self.controls |= _dynamic_controls({name: plan_kwargs.get(name, start) for name, (_, start) in _DYNAMIC_CONTROLS.items()},
+                                           style, layout)
         self.summary, self.fixes = widgets.HTML(), widgets.HBox(layout=widgets.Layout(flex_flow="row wrap"))
         self.picture, self.suggestion_buttons, self._holding = picture(), [], False
         grid = widgets.GridBox(list(self.controls.values()),
@@ -203,8 +234,9 @@ class BatchExplorer(Explorer):
 
     @property
     def arguments(self) -> dict:
-        "The controls as `plan_batches` arguments (0 in an optional count is None)."
-        return {name: None if name in OPTIONAL_COUNTS and c.value == 0 else c.value for name, c in self.controls.items()}
+        "The controls as `plan_batches` arguments (0 in an optional count is None; the share only with dynamic sampling)."
+        values = {name: None if name in OPTIONAL_COUNTS and c.value == 0 else c.value for name, c in self.controls.items()}
+        return values | ({} if values["dynamic_sampling"] else {"zero_std_share": None})
 
     def apply(self, change: dict):
         "Set the controls named in `change` (one suggested fix; None unsets an optional count), then refresh once."
@@ -221,6 +253,8 @@ class BatchExplorer(Explorer):
         if self._holding:
             return
         self.state = self.compute(**self.arguments)
+        for name in ("dynamic_sampling_max_rounds", "zero_std_share"):
+            self.controls[name].disabled = not self.controls["dynamic_sampling"].value
         if isinstance(self.state, BatchPlan):
             png = generation_batch_png(self.state)
             self.summary.value = plan_html(self.state) + ("" if png else "<p>(too many completions to draw)</p>")
