@@ -255,6 +255,21 @@ def hub_folder(hub: Path, repo_id: str, kind: str = "models") -> Path:
     return folder
 
 
+def tiny_random_model(model_cls, config, seed: int):
+    "A model as TRL's tiny test models are made: bf16, Xavier-initialised linears, small embeddings (no NaNs in bf16)."
+    import torch
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return model
+
+
 def build_model(hub: Path, repo_id: str, tokenizers: dict, seed: int = 0):
     import torch
     import transformers
@@ -266,16 +281,7 @@ def build_model(hub: Path, repo_id: str, tokenizers: dict, seed: int = 0):
         return
     model_cls = getattr(transformers, architecture)
     config = model_cls.config_class(**overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.bfloat16)
-    for module in model.modules():  # TRL's tiny models: Xavier linears, small embeddings (no NaNs in bf16)
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, std=0.02)
-    model.save_pretrained(folder)
+    tiny_random_model(model_cls, config, seed).save_pretrained(folder)
     tokenizers[template].save_pretrained(folder)
     GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(folder)
 
@@ -340,16 +346,7 @@ def build_vlm(hub: Path, repo_id: str, cache: Path, seed: int = 0):
         processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=64,
                                                  chat_template=template)
         model_cls = transformers.Gemma3ForConditionalGeneration
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, std=0.02)
-    model.save_pretrained(folder)
+    tiny_random_model(model_cls, config, seed).save_pretrained(folder)
     processor.save_pretrained(folder)
     GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(folder)
 
