@@ -1,4 +1,4 @@
-"""tools/student_copy.py: the student copy keeps every cell, puts the exercises before any solution, and still runs."""
+"""tools/student_copy.py: the student copy keeps every cell and puts each exercise's solution after an appendix heading."""
 import json
 import subprocess
 import sys
