@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, bin_path
-from notebook_runner import MAX_NOTEBOOK_BYTES, MAX_TEXT, clean_outputs, directives, signature
+from notebook_runner import MAX_NOTEBOOK_BYTES, MAX_TEXT, clean_outputs, directives, same_signature, signature
 
 NOTEBOOKS = sorted(p.relative_to(ROOT / "nbs").as_posix() for p in (ROOT / "nbs").rglob("*.ipynb")
                    if ".ipynb_checkpoints" not in p.parts and not p.name.startswith("_"))
@@ -49,6 +49,16 @@ def test_durations_are_masked_and_results_are_compared():
     run = lambda reward, *seconds: signature([{"output_type": "stream", "name": "stdout", "text": line.format(reward, *seconds)}])
     assert run("0.125", "1.89", "190.2", "1.90") == run("0.125", "30.44", "3101.5", "31.25")
     assert run("0.125", "1.89", "190.2", "1.90") != run("0.225", "1.89", "190.2", "1.90")
+
+
+def test_a_shortened_output_compares_its_whole_lines():
+    "Where a long output is cut depends on masked durations' lengths; the whole lines kept at both ends are compared."
+    def stored(reward, seconds):
+        lines = "".join(f"[step {i:>3}/400] reward {reward} | {seconds} s/step\n" for i in range(400))
+        return signature(clean_outputs([{"output_type": "stream", "name": "stdout", "text": lines + "final 0.25\n"}]))
+    assert stored("0.125", "6.66") != stored("0.125", "26.66")          # cut in other places
+    assert same_signature(stored("0.125", "6.66"), stored("0.125", "26.66"))
+    assert not same_signature(stored("0.125", "6.66"), stored("0.135", "26.66"))
 
 
 def test_tutorials_are_compared_by_value():
