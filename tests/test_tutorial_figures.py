@@ -119,7 +119,8 @@ def test_measured_records_are_the_benchmarks_figures():
     "The full runs drawn under the CPU twins are BENCHMARKS.md's measurements, figure for figure."
     bench = (ROOT / "BENCHMARKS.md").read_text()
     tool = _record(ROOT / "nbs/tutorials/07_teach_a_model_to_use_a_tool.ipynb", "TOOL_TOY_MEASURED")
-    assert f"seed 0): `rewards/product_reward/mean` {', '.join(f'{v:g}' for v in tool[0])}" in " ".join(bench.split())
+    assert f"(seed 0, per step, 8 rollouts of one training prompt): `rewards/product_reward/mean` " \
+           f"{', '.join(f'{v:g}' for v in tool[0])}" in " ".join(bench.split())
     for seed in (1, 2):
         assert f"seed {seed} {', '.join(f'{v:g}' for v in tool[seed])}" in " ".join(bench.split())
     demo = _record(ROOT / "nbs/tutorials/01_first_grpo_run.ipynb", "SMOLLM2_DEMO_MEASURED")
