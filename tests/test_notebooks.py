@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, bin_path
-from notebook_runner import MAX_NOTEBOOK_BYTES, MAX_TEXT, clean_outputs
+from notebook_runner import MAX_NOTEBOOK_BYTES, MAX_TEXT, clean_outputs, directives, same_signature, signature
 
 NOTEBOOKS = sorted(p.relative_to(ROOT / "nbs").as_posix() for p in (ROOT / "nbs").rglob("*.ipynb")
                    if ".ipynb_checkpoints" not in p.parts and not p.name.startswith("_"))
@@ -41,6 +41,34 @@ def test_a_long_stored_output_keeps_its_end():
     (kept,) = clean_outputs([{"output_type": "stream", "name": "stdout", "text": logs + result}])
     assert kept["text"].endswith(result) and kept["text"].startswith("{'loss': '0.000'")
     assert len(kept["text"]) <= MAX_TEXT + 100 and "characters left out" in kept["text"]
+
+
+def test_durations_are_masked_and_results_are_compared():
+    "Two runs of a seeded training cell differ only in wall-clock: same signature; a different reward is stale."
+    line = "[step 10/100] reward {} ± 0.305 | length 3.5 | {} s/step\n[done, step 100/100] {} s ({} s/step) | train_loss 0.0024\n"
+    run = lambda reward, *seconds: signature([{"output_type": "stream", "name": "stdout", "text": line.format(reward, *seconds)}])
+    assert run("0.125", "1.89", "190.2", "1.90") == run("0.125", "30.44", "3101.5", "31.25")
+    assert run("0.125", "1.89", "190.2", "1.90") != run("0.225", "1.89", "190.2", "1.90")
+
+
+def test_a_shortened_output_compares_its_whole_lines():
+    "Where a long output is cut depends on masked durations' lengths; the whole lines kept at both ends are compared."
+    def stored(reward, seconds):
+        lines = "".join(f"[step {i:>3}/400] reward {reward} | {seconds} s/step\n" for i in range(400))
+        return signature(clean_outputs([{"output_type": "stream", "name": "stdout", "text": lines + "final 0.25\n"}]))
+    assert stored("0.125", "6.66") != stored("0.125", "26.66")          # cut in other places
+    assert same_signature(stored("0.125", "6.66"), stored("0.125", "26.66"))
+    assert not same_signature(stored("0.125", "6.66"), stored("0.135", "26.66"))
+
+
+def test_tutorials_are_compared_by_value():
+    "Tutorial cells are compared like module notebooks'; only a few (timings, multi-process logs, async runs) are volatile."
+    marked, total = 0, 0
+    for nb in (n for n in NOTEBOOKS if n.startswith("tutorials/")):
+        code = [c for c in json.loads((ROOT / "nbs" / nb).read_text())["cells"] if c["cell_type"] == "code"]
+        total += len(code)
+        marked += sum("volatile" in directives("".join(c["source"])) for c in code)
+    assert total > 100 and marked <= 0.1 * total, (marked, total)
 
 
 DEV_ONLY = re.compile(r"^\s*(import|from)\s+(pytest|hypothesis|nbdev|execnb|nbformat)\b", re.M)
