@@ -237,7 +237,7 @@ def score_rollout(self: GRPOTrainer, rows: list[dict], out: Completions) -> Roll
     mine = process_rows(len(adv), acc.num_processes, acc.process_index)
     rollout.samples = _samples(out.prompt_texts, scored, stats["rewards"][mine], adv[mine])
     keep_logs(self._logs, self.reward_names, scored.prompts, scored.completions, scored.rewards, adv, scored.logs.extra)
-    if self.args.log_multimodal:                   # TRL's `_logs["images"]`: each completion's pictures
+    if self.args.log_multimodal and is_processor(self.processing_class):   # TRL's `_logs["images"]` (a collective)
         keep_images(self._logs, rows)
     _add_logps(self, rollout)
     return rollout

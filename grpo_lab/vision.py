@@ -326,8 +326,10 @@ def vision_engine_refusal(args, *, agentic: bool = False, rollout_func=None, sam
 
 # %% ../nbs/04c_vision.ipynb
 def keep_images(logs: dict, rows: list[dict]) -> None:
-    "TRL's `_logs['images']`: each completion's pictures (all processes' rows), kept when a batch has any."
+    """TRL's `_logs['images']`: each completion's pictures (all processes' rows), kept when a batch has any. A
+    collective: every process calls it for every batch (the trainer does, for a vision-language run), so that one
+    process's batch without pictures cannot leave another waiting in the gather."""
     from accelerate.utils import gather_object
-    pictures = [row_images(r) or prompt_images(r.get("prompt")) or None for r in rows]
+    pictures = gather_object([row_images(r) or prompt_images(r.get("prompt")) or None for r in rows])
     if any(pictures):
-        logs["images"].extend(gather_object(pictures))
+        logs["images"].extend(pictures)
