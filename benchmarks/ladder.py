@@ -51,16 +51,19 @@ CLIP_ARMS = {
 }
 
 
-def _held_out_callback(held_out, every: int, max_new_tokens: int, points: list, step_seconds: list, step_cpu: list):
+def _held_out_callback(held_out, every: int, max_new_tokens: int, points: list, step_seconds: list, step_cpu: list,
+                       score=None):
     """A callback appending `(step, accuracy, training seconds so far, training CPU seconds so far)` at the start and
-    every `every` steps; `step_seconds` and `step_cpu` get each step's wall and CPU (this process) seconds."""
+    every `every` steps; `step_seconds` and `step_cpu` get each step's wall and CPU (this process) seconds. `score`:
+    the reward that says a greedy answer is right (the tiny task's `exact_answer` unless given)."""
     from transformers import TrainerCallback
     from grpo_lab.cli import held_out_accuracy
     from grpo_lab.rewards import exact_answer
+    score = score or exact_answer
 
     class HeldOut(TrainerCallback):
         def measure(self, state, kwargs):
-            accuracy = held_out_accuracy(kwargs["model"], kwargs["processing_class"], held_out, exact_answer, max_new_tokens)
+            accuracy = held_out_accuracy(kwargs["model"], kwargs["processing_class"], held_out, score, max_new_tokens)
             points.append((state.global_step, accuracy, round(sum(step_seconds), 3), round(sum(step_cpu), 3)))
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -78,43 +81,56 @@ def _held_out_callback(held_out, every: int, max_new_tokens: int, points: list, 
     return HeldOut()
 
 
-def run_arm(arm: str, seed: int, steps: int, eval_every: int, eval_size: int = 500, changes: dict | None = None) -> dict:
-    "One demo run of `arm` (a name of `ARMS`, or any name with `changes`): its record."
+# DAPO's soft overlong punishment per model: (max_completion_len, soft_punish_cache) of `get_soft_overlong_punishment`.
+# The tiny model answers in at most 4 tokens (EOS included): only a 5-token completion pays. SmolLM2's answers to an
+# addition take 3-8 tokens; its 16-token limit with a cache of 4 makes the last 4 tokens cost up to -1.
+OVERLONG = {"tiny": (5, 1), "smollm2": (16, 4)}
+
+
+def run_arm(arm: str, seed: int, steps: int, eval_every: int, eval_size: int | None = None, changes: dict | None = None,
+            model: str = "tiny") -> dict:
+    "One demo run of `arm` (a name of `ARMS`, or any name with `changes`) on the demo `model` (`tiny`, `smollm2`): its record."
     from grpo_lab import rewards
     from grpo_lab.cli import demo_config, demo_problems, demo_recipe
     from grpo_lab.scripts import get_soft_overlong_punishment
     from grpo_lab.trainer import GRPOTrainer
     changes = dict({**ARMS, **CLIP_ARMS}[arm] if changes is None else changes)
     recorded = dict(changes)
-    recipe = demo_recipe("tiny", steps=steps, eval_every=eval_every, eval_size=eval_size)
-    model_path, train_set, held_out = demo_problems("tiny", seed, recipe.eval_size)
+    recipe = demo_recipe(model, steps=steps, eval_every=eval_every, eval_size=eval_size)
+    model_path, train_set, held_out = demo_problems(model, seed, recipe.eval_size)
     reward_funcs = [getattr(rewards, name) for name in recipe.rewards]
     if "overlong" in changes:
-        reward_funcs.append(get_soft_overlong_punishment(*changes.pop("overlong")))
+        changes.pop("overlong")
+        reward_funcs.append(get_soft_overlong_punishment(*OVERLONG[model]))
+        recorded["overlong"] = OVERLONG[model]
     points, step_seconds, step_cpu = [], [], []
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
         args = dataclasses.replace(demo_config(out, recipe, seed), save_strategy="no", logging_steps=1,
                                    disable_tqdm=True, **changes)
-        callback = _held_out_callback(held_out, eval_every, recipe.max_new_tokens, points, step_seconds, step_cpu)
+        callback = _held_out_callback(held_out, eval_every, recipe.max_new_tokens, points, step_seconds, step_cpu,
+                                      getattr(rewards, recipe.accuracy))
         started = time.perf_counter()
-        trainer = GRPOTrainer(str(model_path), reward_funcs, args=args, train_dataset=train_set, callbacks=[callback])
+        trainer = GRPOTrainer(str(model_path), reward_funcs, args=args, train_dataset=train_set, callbacks=[callback],
+                              lora_r=recipe.lora_r)
         trainer.train()
         seconds = time.perf_counter() - started
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    return {"arm": arm, "changes": recorded,
+    return {"arm": arm, "changes": recorded, "model": model, "eval_problems": recipe.eval_size,
             "seed": seed, "steps": trainer.state.global_step, "accuracy_before": points[0][1],
             "accuracy": points[-1][1], "train_seconds": round(sum(step_seconds), 2), "train_cpu_seconds": round(sum(step_cpu), 2),
             "seconds": round(seconds, 2), "loadavg": [round(x, 2) for x in load],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()], "torch_threads": torch.get_num_threads(),
             "accuracy_curve": points,
             "reward_curve": [(h["step"], round(h["reward"], 4)) for h in logs],
+            "length_curve": [(h["step"], round(h["completions/mean_length"], 2)) for h in logs if "completions/mean_length" in h],
+            "clipped_ratio": [(h["step"], h["completions/clipped_ratio"]) for h in logs if "completions/clipped_ratio" in h],
             "frac_reward_zero_std": [(h["step"], h.get("frac_reward_zero_std")) for h in logs],
             "rounds": [(h["step"], h["dynamic_sampling/rounds"]) for h in logs if "dynamic_sampling/rounds" in h]}
 
 
 def run_interleaved(arms: list[str], seeds: list[int], steps: int, eval_every: int, output: Path, threads: int = 1,
-                    reuse: Path | None = None):
+                    reuse: Path | None = None, model: str = "tiny", eval_size: int | None = None):
     """Every arm for seed 0, then every arm for seed 1, ...: each run appended to `output` as one JSON line; a run of
     the same arm, seed and steps in the record `reuse` is copied (marked `"from"`) instead of run."""
     torch.set_num_threads(threads)
@@ -126,7 +142,7 @@ def run_interleaved(arms: list[str], seeds: list[int], steps: int, eval_every: i
                 with output.open("a") as f:
                     f.write(json.dumps({**done[arm, seed, steps], "from": reuse.name}) + "\n")
                 continue
-            record = run_arm(arm, seed, steps, eval_every)
+            record = run_arm(arm, seed, steps, eval_every, eval_size, model=model)
             with output.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{arm:>22} seed {seed}: accuracy {record['accuracy_before']:.1%} -> {record['accuracy']:.1%}, "
@@ -165,6 +181,8 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default="tiny", choices=sorted(OVERLONG), help="the demo recipe to climb the ladder on")
+    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default: the demo recipe's)")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/ladder-2026-11-27.jsonl"))
     p.add_argument("--reuse", type=Path, default=None, help="a record whose runs of the same arm, seed and steps are copied")
     p.add_argument("--summarize", type=Path, default=None, help="print the table of a record and exit")
@@ -172,5 +190,5 @@ if __name__ == "__main__":
     if a.summarize:
         print(summarize(read_runs(a.summarize)))
     else:
-        run_interleaved(a.arms, a.seeds, a.steps, a.eval_every, a.output, a.threads, a.reuse)
+        run_interleaved(a.arms, a.seeds, a.steps, a.eval_every, a.output, a.threads, a.reuse, a.model, a.eval_size)
         print(summarize(read_runs(a.output)))

@@ -45,7 +45,9 @@ def cmd_plan(a) -> int:
     "Print the batch plan (or the error and its suggestions)."
     from grpo_lab.batching import BATCH_OPTIONS, BatchConfigError, describe_error, plan_for
     try:
-        plan = plan_for({name: getattr(a, name) for name in BATCH_OPTIONS}, a.num_processes, a.dataset_size)
+        options = {name: getattr(a, name) for name in BATCH_OPTIONS}
+        options |= {"dynamic_sampling": a.dynamic_sampling, "dynamic_sampling_max_rounds": a.dynamic_sampling_max_rounds}
+        plan = plan_for(options, a.num_processes, a.dataset_size, a.zero_std_share)
     except BatchConfigError as e:
         print(describe_error(e), file=sys.stderr)
         return 2
@@ -54,6 +56,17 @@ def cmd_plan(a) -> int:
         print()
         print(plan.explain())
     return 0
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a share in [0, 1): a share of 1 (no group ever has a spread) "
+                                         "would never fill a batch")
+    return value
 
 
 def _add_plan(sub):
@@ -69,6 +82,13 @@ def _add_plan(sub):
     p.add_argument("--steps-per-generation", type=_positive_int, default=None)
     p.add_argument("--generation-batch-size", type=_positive_int, default=None)
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps in all (-1: num_train_epochs)")
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO's dynamic sampling (grpo-lab's; TRL 1.16 has none): refill groups without a spread of rewards")
+    p.add_argument("--dynamic-sampling-max-rounds", type=_positive_int, default=4,
+                   help="generation batches one trained batch may sample (with --dynamic-sampling)")
+    p.add_argument("--zero-std-share", type=_share, default=None,
+                   help="expected share of groups whose rewards are all equal (a run's frac_reward_zero_std): "
+                        "prints the expected generation cost")
     p.add_argument("--explain", action="store_true", help="walk through the arithmetic in words")
     p.set_defaults(func=cmd_plan)
 
