@@ -157,3 +157,56 @@ def test_training_with_pictures_is_the_same_with_the_shared_prefill(vlm, tmp_pat
     assert any(h["reward_std"] > 0 for h in plain_logs)                   # the advantages were not all zero
     for name in plain_weights:
         torch.testing.assert_close(shared_weights[name], plain_weights[name], atol=1e-5, rtol=0)
+
+
+# --- the vision path on 2 processes (a CPU twin of a multi-GPU run) ---
+
+TWO_PROCESS_SCRIPT = '''
+import hashlib, json, sys
+import torch
+from datasets import Dataset
+from PIL import Image
+from grpo_lab import GRPOConfig, GRPOTrainer
+from grpo_lab.scoring import model_tokens
+out, model = sys.argv[1], MODEL
+squares = [Image.new("RGB", (32, 32), rgb) for rgb in ((220, 30, 30), (30, 30, 220))]
+data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Which colour?"}]] * 4,
+                          "image": [squares[0], None, squares[1], None]})    # rows 0 and 2 have a picture, 1 and 3 none
+distinct = lambda completions, **kw: [float(len(set(c[0]["content"]))) for c in completions]
+args = GRPOConfig(output_dir=out + "/run", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                  max_steps=2, learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                  disable_tqdm=True, shuffle_dataset=False, gradient_checkpointing=False, beta=0.04)
+trainer = GRPOTrainer(model, distinct, args=args, train_dataset=data, lora_r=4)
+seen, score = [], trainer.score_rollout
+def scoring(rows, completions):
+    seen.append({"pictures": sum(bool(r) for r in completions.image_inputs.rows),
+                 "tokens": int(completions.prompt_mask.sum() + model_tokens(completions.completion_mask, completions.tool_mask).sum())})
+    return score(rows, completions)
+trainer.score_rollout = scoring
+weights = lambda: hashlib.sha256(b"".join(p.detach().numpy().tobytes() for n, p in
+                                          sorted(trainer.model.named_parameters()) if p.requires_grad)).hexdigest()
+before = weights()
+trainer.train()
+acc = trainer.accelerator
+json.dump({"world": acc.num_processes, "before": before, "after": weights(), "seen": seen,
+           "num_tokens": [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h],
+           "pictures_logged": [p is not None for p in trainer._logs["images"]]},
+          open(out + f"/rank{acc.process_index}.json", "w"))
+'''
+
+
+def test_two_processes_one_with_pictures_stay_in_sync(vlm, tmp_path):
+    """Under `accelerate launch` (2 CPU processes, gloo), rank 0's batches hold pictures and rank 1's none: both ranks
+    end with the same adapter weights (moved from the start), and the logged token counts and pictures cover both."""
+    from test_scale import TINY, run_two_cpu_processes
+    path, _, _ = vlm
+    ranks = run_two_cpu_processes(tmp_path, TWO_PROCESS_SCRIPT.replace("MODEL", repr(str(path))), TINY)
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [s["pictures"] for s in ranks[0]["seen"]] == [4, 4] and [s["pictures"] for s in ranks[1]["seen"]] == [0, 0]
+    assert ranks[0]["before"] == ranks[1]["before"] != ranks[0]["after"]
+    assert ranks[0]["after"] == ranks[1]["after"]                    # gradients averaged over both ranks each step
+    both = [a["tokens"] + b["tokens"] for a, b in zip(ranks[0]["seen"], ranks[1]["seen"])]
+    for rank in ranks:                                               # num_tokens sums both ranks' tokens, step by step
+        assert rank["num_tokens"] == [both[0], both[0] + both[1]], (rank["num_tokens"], both)
+    assert ranks[0]["seen"][0]["tokens"] > ranks[1]["seen"][0]["tokens"]   # the picture tokens are counted too
+    assert ranks[0]["pictures_logged"].count(True) == 4 and len(ranks[0]["pictures_logged"]) == 8   # the last step's 8 rows
