@@ -159,6 +159,47 @@ def test_training_with_pictures_is_the_same_with_the_shared_prefill(vlm, tmp_pat
         torch.testing.assert_close(shared_weights[name], plain_weights[name], atol=1e-5, rtol=0)
 
 
+
+# --- the other families TRL's VLM tests use: LLaVA-NeXT (tiles, `image_sizes`) and Gemma 3 (`token_type_ids`) ---
+
+def _qwen_vocabulary():
+    "Where tests/trl_suite.py keeps Qwen's vocabulary for its stand-ins (None: not there, and this test never fetches it)."
+    from trl_suite import default_cache
+    found = default_cache() / "qwen.tiktoken"
+    return found if found.exists() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_qwen_vocabulary() is None, reason="needs tests/trl_suite.py's Qwen vocabulary in its cache "
+                    "(python tests/trl_suite.py --select vlm builds it once)")
+@pytest.mark.parametrize("family", ["LlavaNextForConditionalGeneration", "Gemma3ForConditionalGeneration"])
+def test_trl_stand_in_families_sample_the_same_with_the_shared_prefill(tmp_path, family):
+    """TRL's tiny LLaVA-NeXT (pictures of 3 sizes: different tile counts and `image_sizes`) and Gemma 3 (per-token
+    `token_type_ids`), built as tests/trl_suite.py builds them, in fp32: greedy and seeded sampling give the same tokens
+    with the shared prefill as with padded generate."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl_suite import build_vlm, default_cache, hub_folder
+    repo = f"trl-internal-testing/tiny-{family}"
+    build_vlm(tmp_path, repo, default_cache())
+    processor = AutoProcessor.from_pretrained(hub_folder(tmp_path, repo))
+    model = AutoModelForImageTextToText.from_pretrained(hub_folder(tmp_path, repo), dtype=torch.float32).eval()
+    sizes = [(40, 30), (90, 200), (250, 120)]
+    rows = [{"prompt": [{"role": "user", "content": q}], "image": Image.new("RGB", size, (80 * i, 200 - 60 * i, 90))}
+            for i, (q, size) in enumerate(zip(QUESTIONS, sizes)) for _ in range(4)]
+    group = torch.arange(3).repeat_interleave(4)
+    for do_sample in (False, True):
+        settings = SamplingSettings(max_new_tokens=6, eos_token_ids=[], pad_token_id=processor.tokenizer.pad_token_id,
+                                    generation_kwargs={"do_sample": do_sample})
+        out = {}
+        for share in (False, True):
+            torch.manual_seed(0)
+            out[share] = GenerateEngine(processor, share_prefill=share).generate(rows, group, model, settings, 0)
+        assert torch.equal(out[True].completion_ids, out[False].completion_ids), (family, do_sample)
+        assert len({tuple(r) for r in out[True].completion_ids.tolist()}) == (12 if do_sample else 3)
+    keys = set(out[True].image_inputs.rows[0])
+    assert keys >= ({"image_sizes"} if family.startswith("LlavaNext") else {"token_type_ids"}), keys
+
+
 # --- the vision path on 2 processes (a CPU twin of a multi-GPU run) ---
 
 TWO_PROCESS_SCRIPT = '''
