@@ -31,7 +31,7 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
                                         samples_elsewhere=getattr(trainer, "samples_elsewhere", False))
         if refusal:
             raise ValueError(refusal + ".")
-        return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=False)
+        return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=None)   # as for text on a CPU
     if args.use_vllm:                       # vLLM, colocated or a server (06d_vllm)
         if agentic or rollout_func is not None:
             raise ValueError("use_vllm=True with tools, environment_factory or rollout_func is not supported yet: "

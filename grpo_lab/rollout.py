@@ -18,15 +18,17 @@ from transformers import DynamicCache, GenerationConfig
 from .config import as_dict
 from .data import render_prompt
 from .padding import length_mask, pad_left, pad_right   # 04b_padding; engines import them from here too
-from .vision import ImageInputs, image_token_ids, is_processor, mask_image_tokens, prepare_image_prompts
+from .vision import (PER_TOKEN_INPUTS, ImageInputs, image_token_ids, is_processor, mask_image_tokens,
+                             prepare_image_prompts)
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'SHARED_PREFILL_MIN_FLOPS', 'render_prompts', 'truncated_rows', 'tokenize_prompts', 'SamplingSettings',
-           'generation_config', 'completion_mask', 'prompt_groups', 'group_starts', 'cache_kwarg',
-           'prefill_once_per_prompt', 'prefill_saving', 'sample_completions', 'Completions', 'RolloutEngine',
-           'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout', 'length_metrics']
+           'generation_config', 'completion_mask', 'prompt_groups', 'group_starts', 'positions_follow_pictures',
+           'cache_kwarg', 'prefill_pictures', 'prefill_once_per_prompt', 'prefill_saving', 'sample_completions',
+           'Completions', 'RolloutEngine', 'prepare_prompts', 'GenerateEngine', 'ContinuousBatchingEngine', 'Rollout',
+           'length_metrics']
 
 # %% ../nbs/06b_rollout.ipynb
 def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None,
@@ -122,11 +124,20 @@ def group_starts(group: torch.Tensor) -> torch.Tensor:
     return torch.cat([group.new_ones(1, dtype=torch.bool), group[1:] != group[:-1]])
 
 
-def _can_share_prefill(model, gen_config: GenerationConfig, prompt_ids: torch.Tensor) -> bool:
-    "Shared prefill needs a plain dynamic cache, one beam and a decoder-only model (anything else: plain generate)."
+def _can_share_prefill(model, gen_config: GenerationConfig, prompt_ids: torch.Tensor, pictures: bool = False) -> bool:
+    """Shared prefill needs a plain dynamic cache, one beam and a decoder-only model, and with pictures a model whose
+    positions do not depend on them (anything else: plain generate)."""
     return (prompt_ids.size(1) > 1 and gen_config.use_cache is not False and (gen_config.num_beams or 1) == 1
             and gen_config.cache_implementation is None and getattr(gen_config, "prefill_chunk_size", None) is None
-            and not getattr(model.config, "is_encoder_decoder", False))
+            and not getattr(model.config, "is_encoder_decoder", False)
+            and not (pictures and positions_follow_pictures(model)))
+
+
+def positions_follow_pictures(model) -> bool:
+    """True for a vision-language model that numbers positions from its pictures' grids (Qwen2-VL's 3-D rotary
+    positions, `get_rope_index`): `generate` works them out in its own prefill, so such a model is not prefilled apart."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return any(hasattr(m, "get_rope_index") for m in (base, getattr(base, "model", None)))
 
 # %% ../nbs/06b_rollout.ipynb
 def cache_kwarg(model) -> str:
@@ -136,22 +147,34 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def prefill_pictures(image_inputs: ImageInputs, prompt_width: int, device=None) -> dict:
+    """The pictures' tensors for a forward over all but the last prompt token (`prompt_width - 1` tokens): per-picture
+    tensors whole, per-token ones (`PER_TOKEN_INPUTS`) cut to that width."""
+    kwargs = image_inputs.forward_kwargs(prompt_width, prompt_width, device)
+    return {k: v[:, :-1] if k in PER_TOKEN_INPUTS else v for k, v in kwargs.items()}
+
+
 @torch.no_grad()
 def prefill_once_per_prompt(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                            group: torch.Tensor | None = None) -> DynamicCache | None:
-    "KV cache of every row's prompt but its last token, computed once per group; None if no group has two rows."
+                            group: torch.Tensor | None = None,
+                            image_inputs: ImageInputs | None = None) -> DynamicCache | None:
+    """KV cache of every row's prompt but its last token, computed once per group; None if no group has two rows.
+    `image_inputs` (a vision-language model's, one row per prompt row): each group's pictures go through the vision
+    tower once, with its prompt, so the cache holds the picture tokens' states."""
     group = prompt_groups(prompt_ids, prompt_mask) if group is None else group.to(prompt_ids.device)
     starts = group_starts(group)
     if starts.all():
         return None
     ids, mask = prompt_ids[starts, :-1], prompt_mask[starts, :-1]
+    pictures = {} if image_inputs is None else prefill_pictures(image_inputs[starts.cpu()], prompt_ids.size(1),
+                                                                 prompt_ids.device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     accepts = inspect.signature(base.forward).parameters
     extra = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
     if "position_ids" in accepts:     # as generate numbers a left-padded row: from its first real token
         extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=base.config)
-    model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache}, **extra)
+    model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache}, **extra, **pictures)
     cache.batch_select_indices(starts.long().cumsum(0) - 1)      # one copy of its group's cache per row
     return cache
 
@@ -180,20 +203,25 @@ def _body_parameters(model) -> int:
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, gen_config: GenerationConfig, eos_ids: list[int],
                        share_prefill: bool | None = None, group: torch.Tensor | None = None,
-                       model_inputs: dict | None = None):
-    """Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`. `model_inputs`: the
-    pictures' tensors of a vision-language model (04c_vision), read with the prompts (no shared prefill then)."""
+                       image_inputs: ImageInputs | None = None):
+    """Sample one completion per row: `completion_ids (B, T)`, `mask (B, T)`, `truncated (B,)`. `image_inputs`: a
+    vision-language model's picture tensors, one row per prompt row (04c_vision): read with the prompts, in the shared
+    prefill once per group, else by `generate` for every row."""
     was_training = model.training
     model.eval()
     group = prompt_groups(prompt_ids, prompt_mask) if group is None else group
-    share_prefill = False if model_inputs else share_prefill    # pictures: each row's prompt is read whole
     if share_prefill is None:       # automatic: share where the prompt work saved outweighs one more forward call
         share_prefill = prefill_saving(model, prompt_ids, prompt_mask, group) >= \
             SHARED_PREFILL_MIN_FLOPS.get(prompt_ids.device.type, SHARED_PREFILL_MIN_FLOPS["cuda"])
-    cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask, group) \
-        if share_prefill and _can_share_prefill(model, gen_config, prompt_ids) else None
+    pictures = image_inputs is not None
+    cache = prefill_once_per_prompt(model, prompt_ids, prompt_mask, group, image_inputs) \
+        if share_prefill and _can_share_prefill(model, gen_config, prompt_ids, pictures) else None
+    width = prompt_ids.size(1)
+    inputs = image_inputs.forward_kwargs(width, width, prompt_ids.device) if pictures else {}
+    if cache is not None:       # the pictures are in the cache: generate gets only the per-token inputs
+        inputs = {k: v for k, v in inputs.items() if k in PER_TOKEN_INPUTS}
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                         **(model_inputs or {}), **({} if cache is None else {cache_kwarg(model): cache}))
+                         **inputs, **({} if cache is None else {cache_kwarg(model): cache}))
     model.train(was_training)
     completion_ids = out[:, prompt_ids.size(1):]
     mask, truncated = completion_mask(completion_ids, eos_ids)
@@ -256,7 +284,7 @@ class GenerateEngine(RolloutEngine):
         return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group)
 
     def _generate_with_images(self, rows, group, policy, settings) -> Completions:
-        "The padded path with each row's pictures; picture tokens are never sampled (as TRL) nor learned from."
+        "Each row's pictures read with its prompt (shared prefill as for text); picture tokens never sampled nor learned from."
         texts, p_ids, p_mask, images = prepare_image_prompts(rows, group, self.tokenizer, settings.chat_template_kwargs,
                                                              self.device)
         if settings.max_prompt_length is not None and p_ids.size(1) > settings.max_prompt_length:
@@ -265,10 +293,8 @@ class GenerateEngine(RolloutEngine):
                              "picture tokens from their pictures): raise max_prompt_length, or set it to None.")
         config, picture_ids = generation_config(settings), image_token_ids(self.tokenizer)
         config.suppress_tokens = picture_ids or None
-        width = p_ids.size(1)
-        c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, config, settings.eos_token_ids, False,
-                                                      group.to(p_ids.device),
-                                                      images.forward_kwargs(width, width, p_ids.device))
+        c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, config, settings.eos_token_ids,
+                                                      self.share_prefill, group.to(p_ids.device), images)
         c_mask = mask_image_tokens(c_ids, c_mask, picture_ids)
         return Completions(texts, p_ids, p_mask, c_ids, c_mask, truncated, group, image_inputs=images)
 
