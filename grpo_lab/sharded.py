@@ -13,9 +13,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin
 
 # %% auto 0
-__all__ = ['mixed_precision', 'ddp_options', 'make_accelerator', 'shard_on_cpu', 'is_sharded', 'prepare_reference',
-           'check_sharded_adapter', 'gathered_weights', 'gathered_for_generation', 'full_state_dict',
-           'checkpoint_parts', 'resume_parts', 'held_bytes']
+__all__ = ['mixed_precision', 'ddp_options', 'make_accelerator', 'find_unused_parameters', 'settle_ddp_options', 'shard_on_cpu',
+           'is_sharded', 'prepare_reference', 'check_sharded_adapter', 'gathered_weights', 'gathered_for_generation',
+           'full_state_dict', 'checkpoint_parts', 'resume_parts', 'held_bytes']
 
 # %% ../nbs/06p_sharded.ipynb
 def mixed_precision(args) -> str:
@@ -41,6 +41,25 @@ def make_accelerator(args) -> Accelerator:
     if acc.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         shard_on_cpu(acc, FullyShardedDataParallelPlugin())
     return acc
+
+# %% ../nbs/06p_sharded.ipynb
+def find_unused_parameters(args, model) -> bool:
+    """DDP's `find_unused_parameters` for `model`, by the HF Trainer's rule: the config's `ddp_find_unused_parameters`
+    when set; else, for a `PreTrainedModel`, on unless activations are checkpointed; else (a `PeftModel`) on."""
+    from transformers import PreTrainedModel
+    if args.ddp_find_unused_parameters is not None:
+        return bool(args.ddp_find_unused_parameters)
+    if isinstance(model, PreTrainedModel):
+        return not (args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False))
+    return True
+
+
+def settle_ddp_options(accelerator: Accelerator, args, model) -> Accelerator:
+    "Give `accelerator`'s DDP options (read when DDP wraps the model) the `find_unused_parameters` of `model`."
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs()
+    accelerator.ddp_handler.find_unused_parameters = find_unused_parameters(args, model)
+    return accelerator
 
 # %% ../nbs/06p_sharded.ipynb
 def shard_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> Accelerator:

@@ -36,7 +36,7 @@ from .assemble import (build_bookkeeping, build_scoring, build_update, check_hal
 from .engines import make_engine
 from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, RolloutEngine, length_metrics
 from .run import GRPORun, TrainingInterrupted, data_order, resume_hint   # TrainingInterrupted: importable here too
-from .sharded import gathered_for_generation, make_accelerator
+from .sharded import gathered_for_generation, make_accelerator, settle_ddp_options
 from .hub import start_hub
 from .dynamic import check_dynamic_sampling, dynamic_sampling_batch
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics
@@ -122,6 +122,7 @@ class GRPOTrainer(GRPORun):
         model, self.processing_class = load_model(args, model, processing_class, peft_config, quantization_config,
                                                   lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                   target_modules=target_modules, load_in_4bit=load_in_4bit)
+        settle_ddp_options(self.accelerator, args, model)      # the HF Trainer's find_unused_parameters (06p)
         check_half_precisions(model, self.autocast_dtype, scales_loss=self.accelerator.scaler is not None)
         self.engine = make_engine(self, model, engine, tools=tools, rollout_func=rollout_func,
                                   environment_factory=environment_factory)

@@ -24,7 +24,7 @@ from .assemble import build_bookkeeping, build_scoring, build_update, check_half
 from .engines import make_engine
 from .rollout import Completions, SamplingSettings, GenerateEngine, Rollout, RolloutEngine, length_metrics
 from .run import GRPORun, TrainingInterrupted, data_order, resume_hint
-from .sharded import gathered_for_generation, make_accelerator
+from .sharded import gathered_for_generation, make_accelerator, settle_ddp_options
 from .hub import start_hub
 from .dynamic import check_dynamic_sampling, dynamic_sampling_batch
 from .scoring import Scored, decode_and_score, keep_logs, model_tokens, reward_metrics

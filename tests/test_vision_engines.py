@@ -217,7 +217,7 @@ distinct = lambda completions, **kw: [float(len(set(c[0]["content"]))) for c in 
 args = GRPOConfig(output_dir=out + "/run", per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                   max_steps=2, learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
                   disable_tqdm=True, shuffle_dataset=False, gradient_checkpointing=False, beta=0.04)
-trainer = GRPOTrainer(model, distinct, args=args, train_dataset=data, lora_r=4)
+trainer = GRPOTrainer(model, distinct, args=args, train_dataset=data, lora_r=LORA_R)
 seen, score = [], trainer.score_rollout
 def scoring(rows, completions):
     seen.append({"pictures": sum(bool(r) for r in completions.image_inputs.rows),
@@ -236,12 +236,16 @@ json.dump({"world": acc.num_processes, "before": before, "after": weights(), "se
 '''
 
 
-def test_two_processes_one_with_pictures_stay_in_sync(vlm, tmp_path):
+@pytest.mark.parametrize("lora_r", [4, None], ids=["lora", "full"])
+def test_two_processes_one_with_pictures_stay_in_sync(vlm, tmp_path, lora_r):
     """Under `accelerate launch` (2 CPU processes, gloo), rank 0's batches hold pictures and rank 1's none: both ranks
-    end with the same adapter weights (moved from the start), and the logged token counts and pictures cover both."""
+    end with the same trained weights (moved from the start), and the logged token counts and pictures cover both.
+    Full fine-tuning leaves the vision tower without a gradient on rank 1: DDP needs `find_unused_parameters`, which
+    grpo-lab sets by the HF Trainer's rule (`settle_ddp_options`); before it did, this run stopped with DDP's error."""
     from test_scale import TINY, run_two_cpu_processes
     path, _, _ = vlm
-    ranks = run_two_cpu_processes(tmp_path, TWO_PROCESS_SCRIPT.replace("MODEL", repr(str(path))), TINY)
+    script = TWO_PROCESS_SCRIPT.replace("MODEL", repr(str(path))).replace("LORA_R", repr(lora_r))
+    ranks = run_two_cpu_processes(tmp_path, script, TINY)
     assert [r["world"] for r in ranks] == [2, 2]
     assert [s["pictures"] for s in ranks[0]["seen"]] == [4, 4] and [s["pictures"] for s in ranks[1]["seen"]] == [0, 0]
     assert ranks[0]["before"] == ranks[1]["before"] != ranks[0]["after"]
