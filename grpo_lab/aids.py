@@ -69,6 +69,8 @@ def zero_std_chance(p_right: float, num_generations: int) -> float:
 # %% ../nbs/07c_aids.ipynb
 def next_token_logits(prompt: str, model=None, tokenizer=None) -> tuple[torch.Tensor, list[str]]:
     "`(V,)` the next-token logits after `prompt` (of the shipped tiny model unless a model and tokenizer are given), and each token's text."
+    if not prompt:
+        raise ValueError("the prompt is empty: type the text the model continues, e.g. '17+96=1'.")
     if model is None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from grpo_lab.models import tiny_model_path
@@ -118,7 +120,7 @@ def sampling_png(result: dict, tokens: list[str], shown: int = 10) -> bytes:
         if i == result["right"]:
             for bar in (bars[k], drawn[k]):
                 bar.set_edgecolor("black"); bar.set_linewidth(1.5)
-    axes[0].set_xticks(list(x), [repr(tokens[i])[1:-1] or " " for i in top], fontsize=7)
+    axes[0].set_xticks(list(x), [repr(tokens[i])[1:-1][:4] or " " for i in top], fontsize=7)     # long tokens cut
     axes[0].set_title("next-token probability (outlined: right)", fontsize=9)
     axes[0].legend(fontsize=7)
     if sweep:
@@ -317,22 +319,14 @@ class ClipExplorer(Explorer):
                     loss_type=self.loss_type.value)
 
     def refresh(self, change=None):
-        "Recompute both curves and redraw; a bad value is shown in words."
-        try:
-            self.state = [self.compute(sign * self.advantage.value, **self.settings) for sign in (1, -1)]
-        except ValueError as err:
-            self.state = err
-            self.summary.value = f'<p style="color:#b00020;line-height:1.4">{html.escape(str(err), quote=False)}</p>'
-            self.picture.value, self.picture.layout.display = b"", "none"
-            return
+        "Recompute both curves and redraw (the sliders and the menu only hold values `grpo_loss` takes)."
+        self.state = [self.compute(sign * self.advantage.value, **self.settings) for sign in (1, -1)]
         self.summary.value = html_table(*self._table()) + "".join(
             f'<p style="font-size:12px;margin:4px 0">{html.escape(n)}</p>' for n in self.notes())
         self.picture.value, self.picture.layout.display = self.picture_png(), None
 
-    def picture_png(self) -> bytes | None:
-        "Both curves with their zero-gradient ranges (None for a bad value)."
-        if isinstance(self.state, ValueError):
-            return None
+    def picture_png(self) -> bytes:
+        "Both curves with their zero-gradient ranges."
         s = self.settings
         return clip_png(self.state, s["epsilon"], s["epsilon_high"], s["delta"])
 
@@ -354,13 +348,11 @@ class ClipExplorer(Explorer):
                 for c in self.state]
 
     def text(self) -> str:
-        if isinstance(self.state, ValueError):
-            return f"ClipExplorer: {self.state}"
         head = ", ".join(f"{k} {fmt(v)}" for k, v in self.settings.items())
         return "\n".join([head, text_table(*self._table(), left=1), *self.notes()])
 
 # %% ../nbs/07c_aids.ipynb
-T4_GIB = 15.0                                       # a T4's memory as Colab's GPU shows it
+T4_GIB = 15.0                                       # a T4's memory (Colab's free GPU), 05a_memory's line
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -376,6 +368,11 @@ def memory_estimate(model: str = "Qwen2.5-1.5B-Instruct", lora_r: int = 16, load
     "`estimate_memory` with a precision by name and `lora_r=0` for full fine-tuning (the explorer's controls)."
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISION_BYTES)}.")
+    for name, value, low in [("per_device_train_batch_size", per_device_train_batch_size, 1), ("lora_r", lora_r, 0),
+                             ("num_generations", num_generations, 1), ("max_prompt_length", max_prompt_length, 0),
+                             ("max_completion_length", max_completion_length, 1)]:
+        if value < low:
+            raise ValueError(f"{name}={value} must be at least {low}.")
     if load_in_4bit and not lora_r:
         raise ValueError(f"lora_r={lora_r} (full fine-tuning) with load_in_4bit=True: a 4-bit base is trained through "
                          "LoRA; set lora_r (16 is usual) or train the base in full without 4-bit.")
@@ -392,7 +389,8 @@ def memory_png(estimates: dict[str, MemoryEstimate], limit_gib: float = T4_GIB) 
     ax.scatter(list(estimates), [e.total for e in estimates.values()], marker="_", s=600, color="black", zorder=3,
                label="peak (with generation)")
     ax.text(-0.45, limit_gib, f"T4 {limit_gib:g} GiB", fontsize=7, va="bottom")
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_ylim(0, 1.6 * max(limit_gib, *[e.total for e in estimates.values()]))       # room for the legend above
+    ax.legend(fontsize=6, loc="upper left", ncols=2)
     ax.tick_params(labelsize=7)
     return figure_png(fig)
 
