@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from grpo_lab import widgets
+from grpo_lab.async_grpo import StalenessExplorer
 from grpo_lab.widgets import AdvantageExplorer, BatchExplorer, NormalizationExplorer, TrainingDashboard
 
 
@@ -40,6 +41,16 @@ def change_batch(bx): bx.controls["num_processes"].value = 2
 def change_normalization(nx): nx.lengths.value = "3, 30, 4, 8"
 def change_advantages(ax): ax.rewards.value = "correct: 1, 0, 0, 0 | 1, 1, 0, 1"; ax.reward_weights.value = ""
 def change_dashboard(dash): feed(dash, [3, 4])
+def change_staleness(sx): sx.slider.value = 0
+
+
+def staleness_records():
+    "Two recorded async runs (as `run_record` writes them), one synchronous and one at max_staleness=2."
+    def record(s, dropped, ratio):
+        return {"max_staleness": s, "reward": [-6.0, -5.0, -4.0, -3.0 + s], "staleness": [0.0, min(s, 1.0), s, s],
+                "ratio_min": [1.0, ratio, ratio, ratio], "ratio_mean": [1.0, 1.0, 0.98, 0.97], "dropped": dropped,
+                "length": [6.0, 5.0, 4.0, 3.0], "completions_per_s": 100.0 + 20 * s}
+    return [record(0, [0.0] * 4, 1.0), record(2, [0.0, 0.0, 8.0, 0.0], 0.8)]
 
 
 EXPLORERS = {
@@ -47,6 +58,7 @@ EXPLORERS = {
     "NormalizationExplorer": (NormalizationExplorer, change_normalization),
     "AdvantageExplorer": (AdvantageExplorer, change_advantages),
     "TrainingDashboard": (lambda: _fed_dashboard(), change_dashboard),
+    "StalenessExplorer": (lambda: StalenessExplorer(staleness_records()), change_staleness),
 }
 
 
