@@ -96,3 +96,21 @@ def test_no_picture_for_an_error_or_before_the_first_log():
     nx = NormalizationExplorer(values="1, 0")                                               # 4 lengths, 2 rewards
     assert isinstance(nx.state, ValueError) and nx.picture_png() is None
     assert TrainingDashboard().picture_png() is None
+
+
+def test_the_docs_page_shows_a_widgets_text_and_its_picture():
+    "docs/build.py splits a widget cell's bundle in two outputs: a page would show only the picture of one holding both."
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("docs_build", Path(__file__).resolve().parents[1] / "docs" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    nx = NormalizationExplorer()
+    cell = {"cell_type": "code", "source": "nx", "metadata": {}, "outputs": [
+        {"output_type": "execute_result", "execution_count": None, "metadata": {},
+         "data": {k: v for k, v in nx._repr_mimebundle_().items() if k in ("text/plain", "image/png")}}]}
+    split = build.text_and_picture(cell)["outputs"]
+    assert [sorted(o["data"]) for o in split] == [["text/plain"], ["image/png"]]
+    assert split[0]["output_type"] == "execute_result" and split[1]["data"]["image/png"] == nx.picture_png()
+    stream = {"cell_type": "code", "source": "print(1)", "metadata": {}, "outputs": [{"output_type": "stream", "text": "1"}]}
+    assert build.text_and_picture(stream) == stream
