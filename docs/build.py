@@ -226,8 +226,22 @@ def widget_cells(cells: list[dict]) -> dict[int, str]:
 def widget_note(cls: str, colab: str) -> dict:
     text = (f"```{{note}}\nIn Jupyter, VS Code or Colab the cell above draws `{cls}` as an interactive widget. "
             f"A widget needs a running Python kernel, which a web page does not have, so the page shows the "
-            f"widget's state in words (its `repr`). [Open this notebook in Colab]({colab}) to use it.\n```")
+            f"widget's state in words (its `repr`) and as a picture. [Open this notebook in Colab]({colab}) to use it.\n```")
     return _markdown(text)
+
+
+def text_and_picture(cell: dict) -> dict:
+    """A widget cell with its result split in two outputs, the text then the picture: a page shows one part of a
+    bundle only (the picture, of one holding both), and the text holds the widget's tables."""
+    outputs = []
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if out["output_type"] == "execute_result" and {"image/png", "text/plain"} <= data.keys():
+            outputs += [{**out, "data": {"text/plain": data["text/plain"]}},
+                        {"output_type": "display_data", "data": {"image/png": data["image/png"]}, "metadata": {}}]
+        else:
+            outputs.append(out)
+    return {**cell, "outputs": outputs}
 
 
 # --- links -----------------------------------------------------------------------------------------------
@@ -330,6 +344,7 @@ def process_notebook(path: Path, page_paths: dict[Path, str], root: Path = ROOT)
                                                                    "code_prompt_hide": "Hide the solution's run"}}
         out.append(shown)
         if i in widgets_shown:
+            out[-1] = text_and_picture(shown)
             out.append(widget_note(widgets_shown[i], colab_url(path, root)))
     for n, cell in enumerate(out):            # nbformat 4.5 wants an id on every cell
         cell.setdefault("id", f"cell-{n}")

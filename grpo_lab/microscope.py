@@ -331,19 +331,16 @@ class MicroscopeExplorer(Explorer):
             return
         self.summary.value = (f'<p style="font-size:12px">{html.escape(self.state.summary())}</p>'
                               + html_table(*self.state.ranked(), left=3))
-        self.picture.value = figure_png(self.state.plot())
+        self.picture.value = self.picture_png()
+
+    def picture_png(self) -> bytes | None:
+        "The changed step's plot: each completion's move and each token's, base against changed (None for a bad value)."
+        return None if isinstance(self.state, ValueError) else figure_png(self.state.plot())
 
     def text(self) -> str:
         if isinstance(self.state, ValueError):
             return f"MicroscopeExplorer: {self.state}"
         return self.microscope.text() + "\n\n" + self.state.text()
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        "The widget where a kernel draws it; its text and its plot as a picture everywhere (the docs site shows that)."
-        bundle = super()._repr_mimebundle_(include, exclude)
-        if not isinstance(self.state, ValueError):
-            bundle["image/png"] = figure_png(self.state.plot())
-        return bundle
 
 # %% ../nbs/07b_microscope.ipynb
 def _completion_files(source) -> list[Path]:

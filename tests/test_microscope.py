@@ -58,6 +58,18 @@ def test_the_update_moves_positive_advantage_tokens_up(scope):
             assert torch.equal(kept, trained)
 
 
+def test_the_explorer_pictures_the_counterfactual_for_the_site(scope):
+    "MicroscopeExplorer's bundle carries the changed step's plot (`picture_png`), and a new change draws a new one."
+    from grpo_lab.microscope import MicroscopeExplorer
+    explorer = MicroscopeExplorer(scope)
+    first = explorer._repr_mimebundle_()["image/png"]
+    assert first.startswith(b"\x89PNG") and first == bytes(explorer.picture.value)
+    explorer.controls["epsilon"].value = 0.05
+    assert explorer._repr_mimebundle_()["image/png"] != first
+    explorer.reward.value = "one"                                     # a bad value: words, no picture
+    assert explorer.picture_png() is None and "image/png" not in explorer._repr_mimebundle_()
+
+
 def test_a_flipped_reward_turns_the_completion_around(scope):
     texts, rewards = scope.texts, scope.rewards.tolist()
     unique_wrong = [i for i, t in enumerate(texts) if texts.count(t) == 1 and rewards[i] == 0]
