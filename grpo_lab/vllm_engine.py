@@ -390,6 +390,7 @@ def _model_signature(config) -> dict:
     "What must agree between the policy and a served model: architecture, sizes and vocabulary."
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     config = config.to_dict() if hasattr(config, "to_dict") else config
+    config = {**config.get("text_config", {}), **config}        # a VLM's sizes are its language model's
     return {k: config.get(k) for k in keys}
 
 
@@ -407,8 +408,30 @@ def _tensors_from_bytes(payload: bytes) -> dict[str, torch.Tensor]:
 
 
 def _tensors_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    "One safetensors payload; a tensor sharing memory with one before it (a tied weight) is copied (safetensors asks)."
     from safetensors.torch import save
-    return save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
+    tensors, seen = {}, set()
+    for k, v in weights.items():
+        v = v.detach().contiguous().cpu()
+        tensors[k] = v.clone() if v.untyped_storage().data_ptr() in seen else v
+        seen.add(v.untyped_storage().data_ptr())
+    return save(tensors)
+
+
+def _picture_to_text(picture) -> str:
+    "A picture as PNG bytes in base64 (JSON carries text)."
+    import base64
+    from PIL import Image
+    picture = picture if isinstance(picture, Image.Image) else Image.fromarray(picture)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _picture_from_text(text: str):
+    import base64
+    from PIL import Image
+    return Image.open(io.BytesIO(base64.b64decode(text))).convert("RGB")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -461,10 +484,15 @@ class VLLMServer(HTTPServer):
         self.llm, self.token, self.info, self.lock = llm, token, info, threading.Lock()
 
     def generate(self, body: bytes) -> dict:
-        "Sample for `{'requests': [[ids, n], ...], 'settings': {...}}`; one list of `[ids, logps]` per request."
+        """Sample for `{'requests': [[ids, n] or [ids, n, [png, ...]], ...], 'settings': {...}}`: one `[ids, logps]`
+        per sample, and each prompt as vLLM read it (`prompt_ids`: pictures' tokens expanded)."""
         request = json.loads(body)
         settings = SamplingSettings(**request["settings"])
-        return {"samples": vllm_samples(self.llm, request["requests"], settings, request.get("regex"))}
+        requests = [(r[0], r[1], [_picture_from_text(p) for p in r[2]]) if len(r) > 2 else (r[0], r[1])
+                    for r in request["requests"]]
+        read = []
+        samples = vllm_samples(self.llm, requests, settings, request.get("regex"), request.get("banned", ()), read)
+        return {"samples": samples, "prompt_ids": read}
 
     def load(self, body: bytes) -> dict:
         "Load the safetensors payload `body` as the model's weights."
@@ -479,6 +507,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "a
     from transformers import AutoConfig
     token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or secrets.token_urlsafe(24)
     token_file = Path(token_file or DEFAULT_TOKEN_FILE)
+    if is_vision_model(model):            # the trainer's first push brings the weights, before its first sample
+        llm_kwargs.setdefault("load_format", "dummy")
     llm = make_llm(model, dtype=dtype, max_model_len=max_model_len, seed=seed, **llm_kwargs)
     info = {"model": str(model), "dtype": dtype, "max_model_len": llm.llm_engine.model_config.max_model_len,
             "signature": _model_signature(AutoConfig.from_pretrained(model))}
@@ -540,9 +570,12 @@ class VLLMServerEngine(VLLMEngine):
         self._request("POST", "/weights", _tensors_to_bytes(weights), timeout=self.push_timeout)
 
     def sample(self, requests, settings: SamplingSettings, prompt_ids: list | None = None) -> list[tuple[list[int], list[float]]]:
-        "The server's samples of `requests`."
-        payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
+        "The server's samples of `requests` (pictures sent as PNG); `prompt_ids` receives the prompts as it read them."
+        requests = [(r[0], r[1], [_picture_to_text(p) for p in r[2]]) if len(r) > 2 else r for r in requests]
+        payload = {"requests": requests, "settings": vars(settings), "regex": self.regex, "banned": self.banned}
         answer = self._request("POST", "/generate", json.dumps(payload).encode(), timeout=self.request_timeout)
+        if prompt_ids is not None:
+            prompt_ids.extend(answer["prompt_ids"])
         return [tuple(s) for s in answer["samples"]]
 
     def _request(self, method: str, route: str, body: bytes | None = None, timeout: float = 600.0, wait: bool = False):

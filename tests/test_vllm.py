@@ -488,6 +488,30 @@ def test_colocate_pushes_every_part_of_a_vision_language_policy(vlm):
 
 
 @needs_vllm
+def test_server_carries_pictures_and_answers_as_the_colocated_engine(vlm):
+    """The server's /generate carries each prompt's pictures (PNG) and its weights route takes a VLM's push: a client
+    on a `VLLMServer` around the module's vLLM answers exactly as the colocated engine."""
+    import threading
+    from grpo_lab.vllm_engine import VLLMServer, VLLMServerEngine, _model_signature
+    folder, model, processor, engine = vlm
+    info = {"model": str(folder), "dtype": "float32", "max_model_len": 256, "signature": _model_signature(model.config)}
+    server = VLLMServer(engine.llm, ("127.0.0.1", 0), "t0k3n", info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = VLLMServerEngine(model, processor, port=server.server_port, token="t0k3n", timeout=10)
+        rows, group, greedy = _pictured_rows(("blue", "red")), torch.tensor([0, 1]), _greedy6(model, processor)
+        local = engine.generate(rows, group, model, greedy, step=300)
+        remote = client.generate(rows, group, model, greedy, step=300)          # its first call pushes over HTTP
+        assert client.synced_step == 300 and client.weight_sync_seconds > 0
+        assert torch.equal(remote.prompt_ids, local.prompt_ids) and len(remote.image_inputs) == 2
+        assert torch.equal(remote.completion_ids, local.completion_ids)
+        assert torch.allclose(remote.sampling_logps, local.sampling_logps, atol=1e-6)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@needs_vllm
 def test_training_with_pictures_through_colocated_vllm(vlm, tmp_path):
     """Two full fine-tuning steps of the tiny LLaVA with use_vllm=True: each rollout carries its pictures' tensors,
     no picture token is sampled, the IS metrics say vLLM and the policy agree (float32), and after training vLLM's
