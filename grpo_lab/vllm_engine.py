@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'VLLM_INSTALL', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm', 'base_weight_name', 'merged_weights',
-           'sampling_params', 'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_prompt',
-           'vllm_samples', 'make_llm', 'VLLMEngine', 'VLLMColocateEngine', 'image_requests', 'check_expansion',
-           'vllm_vision_names', 'prepare_vllm_vision', 'vllm_ready_tiny_vlm', 'VLLMServer', 'serve', 'main',
-           'VLLMServerEngine', 'vllm_engine_from_config']
+           'sampling_params', 'group_requests', 'to_completions', 'push_weights', 'with_output_layer', 'policy_weights',
+           'vllm_prompt', 'vllm_samples', 'make_llm', 'VLLMEngine', 'VLLMColocateEngine', 'image_requests',
+           'check_expansion', 'vllm_vision_names', 'prepare_vllm_vision', 'vllm_ready_tiny_vlm', 'VLLMServer', 'serve',
+           'main', 'VLLMServerEngine', 'vllm_engine_from_config']
 
 # %% ../nbs/06d_vllm.ipynb
 VLLM_INSTALL = ('On a CUDA machine: pip install "grpo-lab[vllm]". On a CPU-only machine: pip install torch==2.13.0 '
@@ -169,12 +169,25 @@ def push_weights(llm, weights: dict[str, torch.Tensor]) -> None:
         llm.llm_engine.reset_encoder_cache()
 
 
+def with_output_layer(policy, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with the output layer's weight under its own name where it is tied to the input embedding (listed
+    once by `named_parameters`): vLLM reloads it as a layer of its own, which would otherwise keep the old embedding."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    head = base.get_output_embeddings()
+    name = next((n for n, m in base.named_modules() if m is head), None)
+    if name is None or name + ".weight" in weights:
+        return weights
+    return {**weights, name + ".weight": head.weight.detach()}
+
+
 def policy_weights(policy) -> dict[str, torch.Tensor]:
-    "What vLLM must load to sample like `policy`: LoRA merged in where there is an adapter; a VLM's under vLLM's names."
+    """What vLLM must load to sample like `policy`: LoRA merged in where there is an adapter, a tied output layer
+    under its own name, a vision-language model's tower under vLLM's names."""
     if hasattr(policy, "peft_config"):
         weights = merged_weights(policy)
     else:
         weights = {name: param.detach() for name, param in policy.named_parameters()}
+    weights = with_output_layer(policy, weights)
     return vllm_vision_names(policy, weights) if is_vision_model(policy) else weights
 
 
@@ -334,19 +347,13 @@ def check_expansion(read: list[list[int]], expected: list[list[int]]) -> None:
 
 # %% ../nbs/06d_vllm.ipynb
 def vllm_vision_names(policy, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`weights` of a vision-language `policy` under the names vLLM's loader reads: the vision tower's
-    `vision_model` level where transformers holds it without one, and the output layer's weight when it is tied."""
+    "`weights` of a vision-language `policy` under vLLM's names: the tower's `vision_model` level where it has none."
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     tower = getattr(getattr(base, "model", None), "vision_tower", None)
     flat = tower is not None and not hasattr(tower, "vision_model") and hasattr(tower, "embeddings")
     prefix = "model.vision_tower."
-    out = {(prefix + "vision_model." + k.removeprefix(prefix) if flat and k.startswith(prefix) else k): w
-           for k, w in weights.items()}
-    head = base.get_output_embeddings()
-    name = next((n for n, m in base.named_modules() if m is head), None)
-    if name is not None and name + ".weight" not in out:          # tied to the input embedding
-        out[name + ".weight"] = head.weight.detach()
-    return out
+    return {(prefix + "vision_model." + k.removeprefix(prefix) if flat and k.startswith(prefix) else k): w
+            for k, w in weights.items()}
 
 # %% ../nbs/06d_vllm.ipynb
 def prepare_vllm_vision(model) -> None:

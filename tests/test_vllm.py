@@ -211,6 +211,26 @@ def test_colocate_lora_policy_is_merged_exactly(colocate, smol):
 
 
 @needs_vllm
+def test_colocate_push_reaches_a_tied_output_layer(colocate, smol):
+    """A step that moved SmolLM2's tied embedding (full fine-tuning) reaches vLLM's output layer too: its greedy answer
+    is the moved policy's (without `lm_head.weight` in the push, vLLM kept sampling through the old embedding)."""
+    import copy
+    model, tok = smol
+    rows, group = _rows(1)
+    greedy = _settings(tok, temperature=0.0, max_new_tokens=12)
+    moved = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        embedding = moved.get_input_embeddings().weight
+        embedding.add_(torch.randn_like(embedding) * embedding.std() * 0.5)
+    assert moved.get_output_embeddings().weight is embedding                     # tied
+    out = colocate.generate(rows, group, moved, greedy, step=20)
+    got = _trim(out.completion_ids, out.completion_mask)
+    assert got == [a[:len(b)] for a, b in zip(_hf_greedy(moved, out, 12), got)]
+    colocate.generate(rows, group, model, greedy, step=21)                       # back to the original weights
+
+
+@needs_vllm
 def test_colocate_samples_groups_and_repeats_with_a_seed(colocate, smol):
     "n=G samples per prompt with the engine's log-probs; the same torch seed gives the same completions."
     model, tok = smol
