@@ -31,6 +31,9 @@ def make_engine(trainer, model, engine: RolloutEngine | None = None, *, tools=No
                                         samples_elsewhere=getattr(trainer, "samples_elsewhere", False))
         if refusal:
             raise ValueError(refusal + ".")
+        if args.use_vllm:                   # colocated vLLM with each prompt's pictures (06d_vllm)
+            from grpo_lab.vllm_engine import vllm_engine_from_config
+            return vllm_engine_from_config(args, model, tokenizer, trainer.accelerator.device)
         return GenerateEngine(tokenizer, trainer.accelerator.device, share_prefill=None)   # as for text on a CPU
     if args.use_vllm:                       # vLLM, colocated or a server (06d_vllm)
         if agentic or rollout_func is not None:

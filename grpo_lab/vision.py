@@ -304,9 +304,6 @@ def forward_inputs(batch):
 # %% ../nbs/04c_vision.ipynb
 def vision_engine_refusal(args, *, agentic: bool = False, rollout_func=None, samples_elsewhere: bool = False) -> str | None:
     "Why a run with a vision-language model cannot sample with these settings (one sentence), or None when it can."
-    if args.use_vllm:
-        return ("use_vllm=True with a vision-language model is not supported yet in grpo-lab (vLLM's multimodal inputs "
-                "are not wired in): set use_vllm=False to sample with generate")
     if args.use_transformers_continuous_batching or args.use_transformers_paged:
         return ("use_transformers_continuous_batching=True does not take pictures (TRL refuses it too): set it to "
                 "False to sample with generate")

