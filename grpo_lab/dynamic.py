@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from .rollout import Rollout
+from .vision import ImageInputs
 
 # %% auto 0
 __all__ = ['informative_rows', 'concat_rollouts', 'DynamicBatch', 'dynamic_sampling_batch', 'check_dynamic_sampling']
@@ -36,7 +37,8 @@ def _pad(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
 
 def concat_rollouts(parts: list[Rollout]) -> Rollout:
     """The rows of `parts` as one rollout: prompts left-padded and completions right-padded to the widest (masks 0
-    there), groups renumbered to stay distinct; the first part's metrics, every part's samples and dataset rows."""
+    there), groups renumbered to stay distinct, each row's picture tensors (a vision-language run) beside it; the first
+    part's metrics, every part's samples and dataset rows."""
     if len(parts) == 1:
         return parts[0]
     joined = {}
@@ -49,6 +51,12 @@ def concat_rollouts(parts: list[Rollout]) -> Rollout:
                              "run carry the same fields")
         width = max(t.size(1) for t in tensors)
         joined[name] = torch.cat([_pad(t, width, left=name in _LEFT) for t in tensors])
+    images = [p.image_inputs for p in parts]
+    if any(i is not None for i in images):               # a vision-language run: each row keeps its own pictures
+        if any(i is None for i in images):
+            raise ValueError("concat_rollouts: `image_inputs` is set in some rollouts and not in others; rollouts of "
+                             "one run carry the same fields")
+        joined["image_inputs"] = ImageInputs([row for i in images for row in i.rows])
     offsets = torch.tensor([0] + [int(p.group.max()) + 1 for p in parts[:-1]]).cumsum(0).tolist()
     joined["group"] = torch.cat([p.group - int(p.group.min()) + o for p, o in zip(parts, offsets)])
     joined["advantages"] = torch.cat([p.advantages for p in parts])

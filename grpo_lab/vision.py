@@ -316,9 +316,6 @@ def vision_engine_refusal(args, *, agentic: bool = False, rollout_func=None, sam
     if samples_elsewhere:
         return ("the asynchronous trainer with a vision-language model is not supported yet in grpo-lab: train it "
                 "with GRPOTrainer")
-    if args.dynamic_sampling:
-        return ("dynamic_sampling=True with a vision-language model is not supported yet in grpo-lab (refilled "
-                "batches would lose their picture tensors): set dynamic_sampling=False")
     return None
 
 # %% ../nbs/04c_vision.ipynb

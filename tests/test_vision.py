@@ -207,3 +207,42 @@ def test_one_step_matches_trl_on_the_same_pictures_and_completions(vlm_path, tmp
     gap = (lab_grads.grads[0] - trl_grads.grads[0]).norm() / trl_grads.grads[0].norm()
     assert gap <= 1e-5, f"the step-1 gradients differ by {gap:.2e} of TRL's"
     assert len(trainer._logs["images"]) == 8 and len(lab._logs["images"]) == 0     # log_multimodal, True vs False
+
+
+def test_dynamic_sampling_keeps_each_row_with_its_own_picture(vlm_path, tmp_path, monkeypatch):
+    "DAPO's dynamic sampling with pictures: the groups kept from several rounds carry their own prompts' pictures."
+    import grpo_lab.trainer as trainer_module
+    from transformers import AutoProcessor
+
+    def red_only(completions, answer, **kwargs):
+        "A spread of rewards inside each red picture's group, none elsewhere: only red groups teach."
+        return [float(i % 4) if a == "red" else 0.0 for i, a in enumerate(answer)]
+
+    filled, fill = [], trainer_module._fill_with_informative_groups
+
+    def keeping(*args, **kwargs):
+        filled.append(fill(*args, **kwargs))
+        return filled[-1]
+
+    monkeypatch.setattr(trainer_module, "_fill_with_informative_groups", keeping)
+    args = GRPOConfig(**settings(tmp_path, per_device_train_batch_size=8, dynamic_sampling=True,
+                                 dynamic_sampling_max_rounds=4))
+    trainer = GRPOTrainer(str(vlm_path), red_only, args=args, train_dataset=colour_dataset(8))   # 2 red of 8
+    trainer.train()
+    processor = AutoProcessor.from_pretrained(vlm_path)
+    expected = {c: prepare_image_prompts([{"prompt": [{"role": "user", "content": "Which colour?"}], "image": square(c)}],
+                                         torch.tensor([0]), processor)[3].rows[0]["pixel_values"] for c in COLOURS}
+    colour_of = lambda row: [c for c, v in expected.items() if torch.equal(row["pixel_values"], v)]
+    logged = [h for h in trainer.state.log_history if "dynamic_sampling/rounds" in h]
+    assert len(filled) == len(logged) == 2 and any(h["dynamic_sampling/rounds"] > 1 for h in logged)  # rounds joined
+    for (batch, _, _), h in zip(filled, logged):
+        assert len(batch) == len(batch.image_inputs) == 8 and batch.group.unique().numel() == 2
+        short = 0
+        for g in batch.group.unique():
+            rows = (batch.group == g).nonzero().flatten().tolist()
+            colours = [colour_of(batch.image_inputs.rows[i]) for i in rows]
+            assert all(c == colours[0] and len(c) == 1 for c in colours)      # one group, one picture
+            teaches = bool((batch.advantages[rows] != 0).any())
+            assert teaches == (colours[0] == ["red"]), (colours, batch.advantages[rows])  # kept groups are the red ones
+            short += not teaches                  # a dropped group put back when the rounds ran out
+        assert h["dynamic_sampling/groups_short"] == short
