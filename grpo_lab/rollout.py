@@ -286,11 +286,7 @@ class GenerateEngine(RolloutEngine):
     def _generate_with_images(self, rows, group, policy, settings) -> Completions:
         "Each row's pictures read with its prompt (shared prefill as for text); picture tokens never sampled nor learned from."
         texts, p_ids, p_mask, images = prepare_image_prompts(rows, group, self.tokenizer, settings.chat_template_kwargs,
-                                                             self.device)
-        if settings.max_prompt_length is not None and p_ids.size(1) > settings.max_prompt_length:
-            raise ValueError(f"a prompt with its pictures has {p_ids.size(1)} tokens, over max_prompt_length="
-                             f"{settings.max_prompt_length}; prompts with pictures are never cut (a cut would part "
-                             "picture tokens from their pictures): raise max_prompt_length, or set it to None.")
+                                                             self.device, settings.max_prompt_length)
         config, picture_ids = generation_config(settings), image_token_ids(self.tokenizer)
         config.suppress_tokens = picture_ids or None
         c_ids, c_mask, truncated = sample_completions(policy, p_ids, p_mask, config, settings.eos_token_ids,

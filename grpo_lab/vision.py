@@ -245,9 +245,10 @@ def _cat_padded(values: list[torch.Tensor]) -> torch.Tensor:
 
 # %% ../nbs/04c_vision.ipynb
 def prepare_image_prompts(rows: list[dict], group: torch.Tensor, processor, chat_template_kwargs: dict | None = None,
-                          device=None):
+                          device=None, max_prompt_length: int | None = None):
     """The rows' prompts with their pictures, through the processor once per group: `(texts, prompt_ids, prompt_mask,
-    image_inputs)`, the ids left-padded and holding each picture's placeholder tokens."""
+    image_inputs)`, the ids left-padded and holding each picture's placeholder tokens. A prompt longer than
+    `max_prompt_length` is refused, never cut (a cut would part picture tokens from their pictures)."""
     texts, ids, inputs = [], [], []
     for i, row in enumerate(rows):
         if i > 0 and group[i] == group[i - 1]:
@@ -267,6 +268,10 @@ def prepare_image_prompts(rows: list[dict], group: torch.Tensor, processor, chat
         inputs.append({k: v[0] if k in PER_TOKEN_INPUTS else v for k, v in encoded.items()
                        if k not in ("input_ids", "attention_mask") and isinstance(v, torch.Tensor)})
     input_ids, attention_mask = pad_left(ids, text_tokenizer(processor).pad_token_id, max(len(x) for x in ids))
+    if max_prompt_length is not None and input_ids.size(1) > max_prompt_length:
+        raise ValueError(f"a prompt with its pictures has {input_ids.size(1)} tokens, over max_prompt_length="
+                         f"{max_prompt_length}; prompts with pictures are never cut (a cut would part picture tokens "
+                         "from their pictures): raise max_prompt_length, or set it to None.")
     return texts, input_ids.to(device or "cpu"), attention_mask.to(device or "cpu"), ImageInputs(inputs)
 
 

@@ -274,11 +274,7 @@ class VLLMEngine(RolloutEngine):
         """Each prompt with one placeholder per picture and its pictures (TRL's `multi_modal_data`): vLLM expands the
         placeholders itself, and the prompt it read must be the trainer's (the loss reads those tokens and tensors)."""
         texts, p_ids, p_mask, images = prepare_image_prompts(rows, group, self.tokenizer, settings.chat_template_kwargs,
-                                                             self.device)
-        if settings.max_prompt_length is not None and p_ids.size(1) > settings.max_prompt_length:
-            raise ValueError(f"a prompt with its pictures has {p_ids.size(1)} tokens, over max_prompt_length="
-                             f"{settings.max_prompt_length}; prompts with pictures are never cut (a cut would part "
-                             "picture tokens from their pictures): raise max_prompt_length, or set it to None.")
+                                                             self.device, settings.max_prompt_length)
         greedy = settings.temperature == 0
         requests = image_requests(rows, texts, group, self.tokenizer, greedy)
         start, read = time.perf_counter(), []
