@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogit
 
 from .loss import LOSS_TABLE, grpo_loss, ppo_objective
 from .memory import MemoryEstimate, configs_path, estimate_memory, plot_memory
-from .widgets import Explorer, figure_png, fmt, html_table, picture, text_table
+from .widgets import Explorer, figure_png, fmt, html_table, text_table
 
 # %% auto 0
 __all__ = ['SWEEP_TEMPERATURES', 'CLIP_LOSS_TYPES', 'T4_GIB', 'PRECISION_BYTES', 'check_sampling', 'sampling_processors',
@@ -165,14 +165,9 @@ class SamplingExplorer(Explorer):
         self.num_generations = widgets.IntSlider(num_generations, min=2, max=64, description="num_generations",
                                                  continuous_update=False, style={"description_width": "120px"},
                                                  layout=widgets.Layout(width="380px"))
-        controls = [self.prompt, self.right, self.temperature, self.top_p, self.top_k, self.min_p, self.num_generations]
-        self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 390px)")),
-                                    self.summary, self.picture])
         self._prompt_read = None
-        for control in controls:
-            control.observe(self.refresh, names="value")
-        self.refresh()
+        self._assemble([self.prompt, self.right, self.temperature, self.top_p, self.top_k, self.min_p,
+                        self.num_generations], column_width=390)
 
     @property
     def settings(self) -> dict:
@@ -304,13 +299,7 @@ class ClipExplorer(Explorer):
         self.advantage = _float_slider(abs(advantage), 0.1, 2.0, 0.1, "|advantage|")
         self.loss_type = widgets.Dropdown(options=CLIP_LOSS_TYPES, value=loss_type, description="loss_type",
                                           style={"description_width": "120px"})
-        controls = [self.epsilon, self.epsilon_high, self.delta, self.advantage, self.loss_type]
-        self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 390px)")),
-                                    self.summary, self.picture])
-        for control in controls:
-            control.observe(self.refresh, names="value")
-        self.refresh()
+        self._assemble([self.epsilon, self.epsilon_high, self.delta, self.advantage, self.loss_type], column_width=390)
 
     @property
     def settings(self) -> dict:
@@ -418,13 +407,7 @@ class MemoryExplorer(Explorer):
             control.description = control.description or name
             control.style, control.layout = style, layout
         self.start = self._estimate()
-        self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([widgets.GridBox(list(self.controls.values()),
-                                                    layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 340px)")),
-                                    self.summary, self.picture])
-        for control in self.controls.values():
-            control.observe(self.refresh, names="value")
-        self.refresh()
+        self._assemble(list(self.controls.values()), column_width=340)
 
     @property
     def arguments(self) -> dict:

@@ -92,6 +92,17 @@ class Explorer:
         "A small PNG of the current state (the widget's own plot at 72 dpi), or None when there is nothing to draw."
         return None
 
+    def _assemble(self, controls: list, column_width: int | None = None):
+        """Lay `controls` out above a summary (HTML) and a picture, in a grid of `column_width`-pixel columns (None: one
+        under another); a change to any control redraws both (`refresh`)."""
+        self.summary, self.picture = widgets.HTML(), picture()
+        grid = widgets.Layout(grid_template_columns=f"repeat(auto-fill, {column_width}px)")
+        top = [widgets.GridBox(controls, layout=grid)] if column_width else list(controls)
+        self.widget = widgets.VBox([*top, self.summary, self.picture])
+        for control in controls:
+            control.observe(self.refresh, names="value")
+        self.refresh()
+
     def __repr__(self) -> str:
         return self.text()
 
@@ -427,14 +438,8 @@ class NormalizationExplorer(Explorer):
                                                  layout=widgets.Layout(width="410px"))
         self.max_completion_length = widgets.IntText(max_completion_length, description="max_completion_length",
                                                      style={"description_width": "160px"}, layout=widgets.Layout(width="280px"))
-        controls = [self.lengths, self.values, self.values_are, self.beta, self.epsilon_low, self.epsilon_high,
-                    self.ratio, self.ref_log_ratio, self.max_completion_length, self.loss_types]
-        self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([widgets.GridBox(controls, layout=widgets.Layout(grid_template_columns="repeat(auto-fill, 420px)")),
-                                    self.summary, self.picture])
-        for control in controls:
-            control.observe(self.refresh, names="value")
-        self.refresh()
+        self._assemble([self.lengths, self.values, self.values_are, self.beta, self.epsilon_low, self.epsilon_high,
+                        self.ratio, self.ref_log_ratio, self.max_completion_length, self.loss_types], column_width=420)
 
     @property
     def parameters(self) -> dict:
@@ -557,11 +562,7 @@ class AdvantageExplorer(Explorer):
                                         layout=widgets.Layout(width="95%"), style={"description_width": "110px"})
         self.reward_weights = widgets.Text(_as_text(reward_weights), description="reward_weights", continuous_update=False,
                                            placeholder="blank: all 1", style={"description_width": "110px"})
-        self.summary, self.picture = widgets.HTML(), picture()
-        self.widget = widgets.VBox([self.rewards, self.reward_weights, self.summary, self.picture])
-        for control in (self.rewards, self.reward_weights):
-            control.observe(self.refresh, names="value")
-        self.refresh()
+        self._assemble([self.rewards, self.reward_weights])
 
     def refresh(self, change=None):
         "Parse the rewards and weights, recompute `state` and redraw; a bad input is shown in words."
